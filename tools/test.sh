@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Every test of meshtx, in the order a failure is cheapest to read:
+#   1. the notebooks and the package agree (nbdev-export, nbdev-clean and the README change nothing)
+#   2. the notebooks' lessons (nbdev-test)
+#   3. the system tests (pytest tests/)
+#   4. the parity tests again under JAX 0.7.2, the version on Colab's TPU image (skip: MESHTX_SKIP_COMPAT=1)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_collective_call_warn_stuck_timeout_seconds=5 --xla_cpu_collective_call_terminate_timeout_seconds=10"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+echo "== notebooks and package agree"
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+git ls-files -co --exclude-standard -z -- pyproject.toml nbs meshtx tools README.md | xargs -0 -I{} cp --parents {} "$tmp"
+(cd "$tmp" && nbdev-export && nbdev-clean && python tools/readme.py)
+for f in meshtx nbs README.md; do
+  if ! diff -r -q -x __pycache__ "$f" "$tmp/$f"; then
+    echo "FAIL: running nbdev-export / nbdev-clean / tools/readme.py changes $f: run them and commit"; exit 1
+  fi
+done
+
+echo "== notebook lessons (nbdev-test)"
+nbdev-test --n-workers 2
+
+echo "== system tests (pytest)"
+python -m pytest tests -q
+
+if [ "${MESHTX_SKIP_COMPAT:-0}" != 1 ]; then
+  echo "== parity tests under jax 0.7.2"
+  overlay="${MESHTX_JAX072_DIR:-$HOME/.cache/meshtx/jax072}"
+  if [ ! -f "$overlay/jax/version.py" ] || ! grep -q "_version = \"0.7.2\"" "$overlay/jax/version.py"; then
+    rm -rf "$overlay"; python -m pip install -q --target "$overlay" --no-deps jax==0.7.2 jaxlib==0.7.2
+  fi
+  PYTHONPATH="$overlay" python -c 'import jax; assert jax.__version__ == "0.7.2", jax.__version__; print("jax", jax.__version__)'
+  PYTHONPATH="$overlay" python -m pytest tests -q -m parity
+fi
