@@ -1,0 +1,42 @@
+"""Shared helpers for the system tests: tiny random Hugging Face GPT-J checkpoints made on the spot."""
+import os
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import numpy as np
+import pytest
+
+
+def make_hf_model(config, seed=0, scale=True):
+    """A random `GPTJForCausalLM` for a meshtx `ModelConfig`.
+
+    HF initialises weights with std 0.02, which makes every logit nearly 0 and a parity test nearly
+    vacuous; with `scale`, weights get std 0.2 and LayerNorms/biases std 0.5, so logits are O(1-10)
+    and their argmax is meaningful."""
+    import torch, transformers
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    model = transformers.GPTJForCausalLM(config.to_hf()).eval()
+    if scale:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.ndim == 1: p.normal_(1.0 if name.endswith("ln_1.weight") or name.endswith("ln_f.weight") else 0.0, 0.5)
+                else: p.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.fixture
+def hf_checkpoint(tmp_path):
+    "Factory: save a random HF GPT-J for `config` into a new directory; returns (dir, torch model)."
+    def make(config, seed=0, name="ckpt", **save_kwargs):
+        model = make_hf_model(config, seed)
+        path = tmp_path / name
+        model.save_pretrained(path, **save_kwargs)
+        return path, model
+    return make
+
+
+def hf_logits(model, tokens, attention_mask=None):
+    import torch
+    with torch.no_grad():
+        kw = {} if attention_mask is None else {"attention_mask": torch.tensor(np.asarray(attention_mask))}
+        return model(torch.tensor(np.asarray(tokens)), **kw).logits.float().numpy()

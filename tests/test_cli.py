@@ -1,0 +1,41 @@
+"""The `meshtx` console script, run as a user runs it: a real process."""
+import subprocess, sys, shutil
+from pathlib import Path
+import numpy as np
+from meshtx import LM
+
+def meshtx(*args, timeout=300):
+    exe = shutil.which("meshtx") or str(Path(sys.executable).parent / "meshtx")
+    return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def test_info():
+    r = meshtx("info")
+    assert r.returncode == 0, r.stderr
+    lines = dict(l.split(None, 1) for l in r.stdout.strip().splitlines())
+    assert lines["backend"] == "cpu"
+    assert lines["version.jax"][0].isdigit() and lines["version.meshtx"][0].isdigit()
+    assert "compilation_cache" in lines
+
+
+def test_convert_round_trip_in_bf16(tmp_path):
+    lm = LM.init("tiny")
+    lm.save_hf(tmp_path / "hf", progress=False)
+    r = meshtx("convert", tmp_path / "hf", tmp_path / "mtx", "--dtype", "bfloat16", "-q")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "mtx" / "meshtx_config.json").exists()
+    r = meshtx("convert", tmp_path / "mtx", tmp_path / "hf2", "-q")
+    assert r.returncode == 0, r.stderr
+    back = LM.from_hf(tmp_path / "hf2", dtype="float32", progress=False)
+    ref = np.asarray(lm.params["gptj/blocks/mlp/fc_in"]["w"])
+    got = np.asarray(back.params["gptj/blocks/mlp/fc_in"]["w"])
+    np.testing.assert_array_equal(got, ref.astype("bfloat16").astype(np.float32))   # exactly a bf16 rounding
+
+
+def test_errors_are_one_line_not_tracebacks(tmp_path):
+    r = meshtx("convert", tmp_path / "missing", tmp_path / "out")
+    assert r.returncode == 2
+    assert r.stderr.startswith("meshtx: error:") and "is not a checkpoint directory" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = meshtx("frobnicate")
+    assert r.returncode == 2 and "invalid choice" in r.stderr

@@ -1,0 +1,41 @@
+"""Loading streams: a float32 checkpoint of >= 400 MB loads into bf16 with peak RSS growth below 1.5x the bf16 size."""
+import subprocess, sys, textwrap
+import pytest
+
+MAKE = textwrap.dedent("""
+    import sys, torch, transformers
+    from meshtx import ModelConfig
+    cfg = ModelConfig(n_layer=6, d_model=1024, n_head=16, rotary_dim=32, n_vocab=50400, n_ctx=256)
+    torch.manual_seed(0)
+    transformers.GPTJForCausalLM(cfg.to_hf()).save_pretrained(sys.argv[1])
+""")
+
+LOAD = textwrap.dedent("""
+    import sys, resource, json, psutil, jax, jax.numpy as jnp
+    from meshtx.config import ModelConfig
+    from meshtx.weights import load_hf_params
+    cfg = ModelConfig.from_hf(sys.argv[1], param_dtype="bfloat16", compute_dtype="bfloat16")
+    jnp.zeros(1).block_until_ready()
+    base = psutil.Process().memory_info().rss
+    params = load_hf_params(sys.argv[1], cfg, progress=False)
+    jax.block_until_ready(params)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"growth": peak - base, "bf16": cfg.n_params * 2,
+                      "dtype": str(params["gptj/wte"]["embedding"].dtype)}))
+""")
+
+
+@pytest.mark.slow
+def test_bf16_load_peak_memory(tmp_path):
+    import json
+    ckpt = tmp_path / "ckpt"
+    subprocess.run([sys.executable, "-c", MAKE, str(ckpt)], check=True, capture_output=True, timeout=600)
+    fp32 = (ckpt / "model.safetensors").stat().st_size
+    assert fp32 >= 400e6, fp32
+    r = subprocess.run([sys.executable, "-c", LOAD, str(ckpt)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    assert m["dtype"] == "bfloat16"
+    ratio = m["growth"] / m["bf16"]
+    print(f"fp32 checkpoint {fp32 / 1e6:.0f} MB, bf16 params {m['bf16'] / 1e6:.0f} MB, peak RSS growth {m['growth'] / 1e6:.0f} MB = {ratio:.2f}x")
+    assert ratio < 1.5, f"peak RSS grew {ratio:.2f}x the bf16 size"

@@ -1,0 +1,183 @@
+"""Loading Hugging Face checkpoints in every form they come in, and refusing the ones that do not fit."""
+import json, os, subprocess, sys, textwrap
+from pathlib import Path
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+from conftest import hf_logits
+from meshtx import LM, ModelConfig
+
+CFG = ModelConfig(n_layer=2, d_model=64, n_head=4, rotary_dim=8, n_vocab=512, n_ctx=64)
+TOKENS = np.random.default_rng(0).integers(0, 512, (2, 11))
+
+
+def assert_same_model(lm, model):
+    np.testing.assert_allclose(np.asarray(lm.logits(TOKENS)), hf_logits(model, TOKENS), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parity
+def test_sharded_safetensors(hf_checkpoint):
+    path, model = hf_checkpoint(CFG, max_shard_size="50KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    assert_same_model(LM.from_hf(path, dtype="float32", progress=False), model)
+
+
+def _bin_checkpoint(path, model, shards=1):
+    import torch
+    path.mkdir()
+    model.config.save_pretrained(path)
+    sd = model.state_dict()
+    if shards == 1:
+        torch.save(sd, path / "pytorch_model.bin"); return path
+    names = list(sd); per = -(-len(names) // shards); weight_map = {}
+    for i in range(shards):
+        fn = f"pytorch_model-{i + 1:05d}-of-{shards:05d}.bin"
+        torch.save({k: sd[k] for k in names[i * per:(i + 1) * per]}, path / fn)
+        weight_map.update({k: fn for k in names[i * per:(i + 1) * per]})
+    (path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("shards", [1, 3])
+def test_pytorch_bin(shards, hf_checkpoint, tmp_path):
+    _, model = hf_checkpoint(CFG)
+    path = _bin_checkpoint(tmp_path / "bin", model, shards)
+    assert_same_model(LM.from_hf(path, dtype="float32", progress=False), model)
+
+
+def test_bf16_bin_and_safetensors(hf_checkpoint, tmp_path):
+    "bf16 checkpoints (as published for many models) load in either format, exactly."
+    import torch
+    _, model = hf_checkpoint(CFG)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "st")
+    _bin_checkpoint(tmp_path / "bin", model)
+    a = LM.from_hf(tmp_path / "st", dtype="bfloat16", progress=False)
+    b = LM.from_hf(tmp_path / "bin", dtype="bfloat16", progress=False)
+    ref = model.state_dict()["transformer.h.1.mlp.fc_in.weight"].float().numpy().T
+    for lm in (a, b):
+        np.testing.assert_array_equal(np.asarray(lm.params["gptj/blocks/mlp/fc_in"]["w"][1], np.float32), ref)
+
+
+def test_old_checkpoints_with_mask_buffers_load(hf_checkpoint):
+    "The original GPT-J export carries attn.bias / attn.masked_bias buffers: they are not weights."
+    path, model = hf_checkpoint(CFG)
+    sd = load_file(path / "model.safetensors")
+    sd["transformer.h.0.attn.bias"] = np.tril(np.ones((1, 1, 64, 64), bool))
+    sd["transformer.h.0.attn.masked_bias"] = np.array(-1e9, np.float32)
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+    assert_same_model(LM.from_hf(path, dtype="float32", progress=False), model)
+
+
+def _edit(path, fn):
+    sd = load_file(path / "model.safetensors"); fn(sd)
+    save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(hf_checkpoint):
+    path, _ = hf_checkpoint(CFG)
+    _edit(path, lambda sd: sd.pop("transformer.h.1.attn.q_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensor 'transformer\.h\.1\.attn\.q_proj\.weight'"):
+        LM.from_hf(path, progress=False)
+
+
+def test_wrong_shape_names_tensor_and_both_shapes(hf_checkpoint):
+    path, _ = hf_checkpoint(CFG)
+    _edit(path, lambda sd: sd.__setitem__("transformer.h.0.mlp.fc_out.weight", np.zeros((64, 100), np.float32)))
+    with pytest.raises(ValueError) as e:
+        LM.from_hf(path, progress=False)
+    assert "tensor 'transformer.h.0.mlp.fc_out.weight' has shape (64, 100) in model.safetensors, " \
+           "but the config expects (64, 256)" in str(e.value)
+
+
+@pytest.mark.parametrize("field,value,expect", [
+    ("n_layer", 3, "missing tensor 'transformer.h.2.ln_1.weight'"),
+    ("n_layer", 1, "unexpected tensor 'transformer.h.1.ln_1.weight' in model.safetensors"),
+    ("n_embd", 128, "tensor 'transformer.wte.weight' has shape (512, 64) in model.safetensors, but the config expects (512, 128)"),
+    ("vocab_size", 500, "tensor 'lm_head.bias' has shape (512,) in model.safetensors, but the config expects (500,)"),
+])
+def test_config_not_matching_tensors(field, value, expect, hf_checkpoint):
+    path, _ = hf_checkpoint(CFG)
+    cfg = json.loads((path / "config.json").read_text()); cfg[field] = value
+    (path / "config.json").write_text(json.dumps(cfg))
+    before = (path / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError) as e:
+        LM.from_hf(path, progress=False)
+    assert expect in str(e.value)
+    assert (path / "model.safetensors").read_bytes() == before   # nothing touched
+
+
+def test_bad_config_json(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        LM.from_hf(tmp_path, progress=False)
+
+
+def test_no_weights_in_dir(tmp_path):
+    CFG.to_hf().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no model.safetensors, pytorch_model.bin or index json"):
+        LM.from_hf(tmp_path, progress=False)
+
+
+def test_interrupted_save_leaves_previous_checkpoint_intact(tmp_path, monkeypatch):
+    import meshtx.weights as W
+    lm = LM.init(CFG)
+    out = tmp_path / "out"
+    lm.save_hf(out, max_shard_size="100KB", progress=False)
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    calls = []
+    def failing_save(*a, **k):
+        calls.append(1)
+        if len(calls) == 2: raise OSError("disk full")
+        return save_file(*a, **k)
+    monkeypatch.setattr(W, "save_file", failing_save)
+    lm2 = LM.init(CFG, seed=1)
+    with pytest.raises(OSError, match="disk full"):
+        lm2.save_hf(out, max_shard_size="100KB", progress=False)
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before   # no temp dir, nothing replaced
+
+
+def test_tokenizer_from_checkpoint_and_default(tmp_path, hf_checkpoint):
+    from meshtx import gpt2_tokenizer, EOT
+    big = ModelConfig(n_layer=1, d_model=32, n_head=2, rotary_dim=8, n_vocab=50400, n_ctx=64)
+    path, _ = hf_checkpoint(big)
+    lm = LM.from_hf(path, progress=False)            # no tokenizer files: GPT-2's, as GPT-J uses
+    assert lm.tokenizer("Hello world").input_ids == [15496, 995]
+    gpt2_tokenizer().save_pretrained(path)
+    lm = LM.from_hf(path, progress=False)            # tokenizer files: loaded through AutoTokenizer
+    assert lm.tokenizer("Hello world").input_ids == [15496, 995] and lm.tokenizer.eos_token_id == EOT == 50256
+    assert lm.logits("Hello world").shape == (1, 2, 50400)
+
+
+def _fake_hub_cache(cache, repo_id, src):
+    "Lay out `src` as huggingface_hub's cache would after downloading `repo_id`."
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for f in src.iterdir(): (snap / f.name).write_bytes(f.read_bytes())
+
+
+def test_hub_id_through_huggingface_hub_cache(tmp_path, hf_checkpoint):
+    "A hub id resolves through huggingface_hub (offline here: from its cache) to the same model."
+    path, model = hf_checkpoint(CFG)
+    _fake_hub_cache(tmp_path / "hub", "someone/tiny-gptj", path)
+    code = textwrap.dedent("""
+        import numpy as np, sys
+        from meshtx import LM
+        lm = LM.from_hf("someone/tiny-gptj", dtype="float32", progress=False)
+        np.save(sys.argv[1], np.asarray(lm.logits(np.load(sys.argv[2]))))
+        try: LM.from_hf("someone/not-cached", progress=False)
+        except ValueError as e: print("ERR", e)
+    """)
+    np.save(tmp_path / "tokens.npy", TOKENS)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out.npy"), str(tmp_path / "tokens.npy")],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), hf_logits(model, TOKENS), atol=1e-4, rtol=0)
+    assert "ERR 'someone/not-cached' is not a local directory, and fetching it from the Hugging Face hub failed" in r.stdout
