@@ -6,7 +6,9 @@
 #   4. the parity tests again under JAX 0.7.2, the version on Colab's TPU image (skip: MESHTX_SKIP_COMPAT=1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_collective_call_warn_stuck_timeout_seconds=5 --xla_cpu_collective_call_terminate_timeout_seconds=10"
+user_xla_flags="${XLA_FLAGS:-}"
+# on 2 cores XLA's CPU collectives can deadlock; make a stuck one fail in seconds (flags unknown to jax 0.7.2)
+export XLA_FLAGS="$user_xla_flags --xla_cpu_collective_call_warn_stuck_timeout_seconds=5 --xla_cpu_collective_call_terminate_timeout_seconds=10"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 echo "== notebooks and package agree"
@@ -31,6 +33,7 @@ if [ "${MESHTX_SKIP_COMPAT:-0}" != 1 ]; then
   if [ ! -f "$overlay/jax/version.py" ] || ! grep -q "_version = \"0.7.2\"" "$overlay/jax/version.py"; then
     rm -rf "$overlay"; python -m pip install -q --target "$overlay" --no-deps jax==0.7.2 jaxlib==0.7.2
   fi
+  export XLA_FLAGS="$user_xla_flags"
   PYTHONPATH="$overlay" python -c 'import jax; assert jax.__version__ == "0.7.2", jax.__version__; print("jax", jax.__version__)'
   PYTHONPATH="$overlay" python -m pytest tests -q -m parity
 fi
