@@ -4,7 +4,7 @@
 from meshtx.config import ModelConfig, PRESETS
 from meshtx.model import KVCache, gptj, init_params, param_shapes
 from meshtx.tokenizer import EOT, gpt2_tokenizer, load_tokenizer
-from meshtx.lm import LM
+from meshtx.lm import LM, enable_compilation_cache
 ```"""
 
 __version__ = "0.0.1"
@@ -17,8 +17,8 @@ Docs: https://meshtx.github.io/meshtx/index.html.md"""
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/index.ipynb #39cfdda2
+# %% ../nbs/index.ipynb #080eae37
 from .config import ModelConfig, PRESETS
 from .model import KVCache, gptj, init_params, param_shapes
 from .tokenizer import EOT, gpt2_tokenizer, load_tokenizer
-from .lm import LM
+from .lm import LM, enable_compilation_cache

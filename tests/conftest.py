@@ -2,6 +2,9 @@
 import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import tempfile
+# the CLI enables JAX's persistent compilation cache; keep the tests' cache out of the user's home
+os.environ.setdefault("MESHTX_CACHE_DIR", tempfile.mkdtemp(prefix="meshtx-test-cache-"))
 import numpy as np
 import pytest
 

@@ -1,5 +1,5 @@
 """The `meshtx` console script, run as a user runs it: a real process."""
-import subprocess, sys, shutil
+import os, subprocess, sys, shutil
 from pathlib import Path
 import numpy as np
 from meshtx import LM
@@ -15,7 +15,7 @@ def test_info():
     lines = dict(l.split(None, 1) for l in r.stdout.strip().splitlines())
     assert lines["backend"] == "cpu"
     assert lines["version.jax"][0].isdigit() and lines["version.meshtx"][0].isdigit()
-    assert "compilation_cache" in lines
+    assert lines["compilation_cache"] == os.environ["MESHTX_CACHE_DIR"]   # the CLI turns the cache on
 
 
 def test_convert_round_trip_in_bf16(tmp_path):
