@@ -3,6 +3,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import tempfile
+# 8 simulated CPU devices (before JAX starts), so the sharding tests can build every mesh
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 # the CLI enables JAX's persistent compilation cache; keep the tests' cache out of the user's home
 os.environ.setdefault("MESHTX_CACHE_DIR", tempfile.mkdtemp(prefix="meshtx-test-cache-"))
 import numpy as np

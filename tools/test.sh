@@ -6,7 +6,8 @@
 #   4. the parity tests again under JAX 0.7.2, the version on Colab's TPU image (skip: MESHTX_SKIP_COMPAT=1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-user_xla_flags="${XLA_FLAGS:-}"
+# 8 simulated CPU devices everywhere, so every mesh layout is tested on a laptop
+user_xla_flags="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
 # on 2 cores XLA's CPU collectives can deadlock; make a stuck one fail in seconds (flags unknown to jax 0.7.2)
 export XLA_FLAGS="$user_xla_flags --xla_cpu_collective_call_warn_stuck_timeout_seconds=5 --xla_cpu_collective_call_terminate_timeout_seconds=10"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
