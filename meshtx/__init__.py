@@ -5,6 +5,8 @@ from meshtx.config import ModelConfig, PRESETS
 from meshtx.model import KVCache, gptj, init_params, param_shapes
 from meshtx.tokenizer import EOT, gpt2_tokenizer, load_tokenizer
 from meshtx.lm import LM, enable_compilation_cache
+from meshtx.sharding import make_mesh, plan, param_shardings, shard_params
+from meshtx import distributed
 ```"""
 
 __version__ = "0.0.1"
@@ -17,8 +19,10 @@ Docs: https://meshtx.github.io/meshtx/index.html.md"""
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/index.ipynb #080eae37
+# %% ../nbs/index.ipynb #3b9f621b
 from .config import ModelConfig, PRESETS
 from .model import KVCache, gptj, init_params, param_shapes
 from .tokenizer import EOT, gpt2_tokenizer, load_tokenizer
 from .lm import LM, enable_compilation_cache
+from .sharding import make_mesh, plan, param_shardings, shard_params
+from . import distributed

@@ -1,0 +1,212 @@
+"""One mesh for tensor, data and FSDP parallelism: the same numbers on every layout, each device its share."""
+import json, math, os, subprocess, sys, textwrap
+import numpy as np
+import pytest
+import jax, jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+from meshtx import LM, ModelConfig, gptj, init_params
+from meshtx.model import cross_entropy, KVCache
+from meshtx.sharding import (make_mesh, param_shardings, activation_hint, batch_sharding, opt_state_shardings,
+                             plan, kv_cache_shardings)
+from test_parity import scaled_params
+
+MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 1, 4), (2, 2, 2)]
+# every split divides: n_head 8, d_model 64, d_ff 256, vocab 512 over 8 devices
+CFG = ModelConfig(n_layer=2, d_model=64, n_head=8, rotary_dim=4, n_vocab=512, n_ctx=64)
+OPT = optax.adamw(1e-4, weight_decay=0.1)
+
+
+def test_eight_devices():
+    assert len(jax.devices()) == 8
+
+
+def make_step(model):
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(lambda p: cross_entropy(model.apply(p, tokens[:, :-1]), tokens[:, 1:]))(params)
+        updates, opt_state = OPT.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+    return step
+
+
+@pytest.fixture(scope="module")
+def reference():
+    params = scaled_params(init_params(CFG, 0), seed=0)
+    params = jax.tree.map(lambda x: x * 0.5, params)   # logits O(1-10), gradients not saturated
+    tokens = np.random.default_rng(0).integers(0, CFG.n_vocab, (8, 17)).astype(np.int32)
+    host = jax.tree.map(np.asarray, params)
+    logits = np.asarray(jax.jit(gptj(CFG).apply)(params, tokens[:, :-1]))
+    new, _, loss = jax.jit(make_step(gptj(CFG)))(params, OPT.init(params), tokens)
+    return host, tokens, logits, jax.tree.map(np.asarray, new), float(loss)
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "dp%d-fsdp%d-mp%d" % s)
+def test_mesh_matches_single_device(shape, reference):
+    host, tokens, ref_logits, ref_params, ref_loss = reference
+    mesh = mesh_of(shape)
+    p_sh = param_shardings(CFG, mesh)
+    params = jax.device_put(host, p_sh)
+    model = gptj(CFG, activation_hint(mesh))
+    batch = jax.device_put(tokens, batch_sharding(mesh, tokens.shape))
+    logits = jax.jit(model.apply)(params, batch[:, :-1])
+    logits.block_until_ready()
+    assert np.abs(ref_logits).max() > 1.0
+    np.testing.assert_allclose(np.asarray(logits), ref_logits, atol=1e-5, rtol=0)
+
+    o_sh = opt_state_shardings(OPT, params, p_sh, mesh)
+    opt_state = jax.jit(OPT.init, out_shardings=o_sh)(params)
+    step = jax.jit(make_step(model), out_shardings=(p_sh, o_sh, None), donate_argnums=(0, 1))
+    new, opt_state, loss = step(params, opt_state, batch)
+    loss.block_until_ready()   # block per step: queued CPU collectives can deadlock on 2 cores
+    assert abs(float(loss) - ref_loss) <= 1e-5, (float(loss), ref_loss)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, atol=1e-5, rtol=0), new, ref_params)
+    # the new parameters and Adam's moments stayed in their layouts
+    jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim) or pytest.fail(f"{x.sharding} != {s}"), new, p_sh)
+    mu = opt_state[0].mu
+    assert mu["gptj/blocks/attn"]["qkv"].sharding.is_equivalent_to(p_sh["gptj/blocks/attn"]["qkv"], 4)
+
+
+def mesh_of(shape):
+    return make_mesh(*shape, devices=jax.devices()[:math.prod(shape)], config=CFG)
+
+
+def expected_shard_shapes(dp, fsdp, mp):
+    L, D, H, F, V = CFG.n_layer, CFG.d_model, CFG.n_head * CFG.d_head, CFG.d_ff, CFG.n_vocab
+    return {
+        "gptj/wte/embedding": (V // mp, D // fsdp),
+        "gptj/blocks/attn/qkv": (L, D // fsdp, 3, H // mp),
+        "gptj/blocks/attn/out": (L, H // mp, D // fsdp),
+        "gptj/blocks/mlp/fc_in/w": (L, D // fsdp, F // mp),
+        "gptj/blocks/mlp/fc_in/b": (L, F // mp),
+        "gptj/blocks/mlp/fc_out/w": (L, F // mp, D // fsdp),
+        "gptj/blocks/mlp/fc_out/b": (L, D),
+        "gptj/blocks/ln_1/scale": (L, D), "gptj/blocks/ln_1/offset": (L, D),
+        "gptj/ln_f/scale": (D,), "gptj/ln_f/offset": (D,),
+        "gptj/lm_head/w": (D // fsdp, V // mp),
+        "gptj/lm_head/b": (V // mp,),
+    }
+
+
+@pytest.mark.parametrize("shape", MESHES, ids=lambda s: "dp%d-fsdp%d-mp%d" % s)
+def test_each_device_holds_exactly_its_share(shape):
+    mesh = mesh_of(shape)
+    params = init_params(CFG, 0, param_shardings(CFG, mesh))
+    want = expected_shard_shapes(*shape)
+    got = {f"{m}/{p}": x for m, ps in params.items() for p, x in ps.items()}
+    assert set(got) == set(want)
+    for name, x in got.items():
+        shapes = {s.data.shape for s in x.addressable_shards}
+        assert shapes == {want[name]}, (name, shapes, want[name])
+        assert len(x.addressable_shards) == math.prod(shape)
+    dp, fsdp, mp = shape
+    qkv = got["gptj/blocks/attn/qkv"]
+    assert qkv.addressable_shards[0].data.size * fsdp * mp == qkv.size   # TP+FSDP weights: 1/(fsdp·mp)
+
+
+def test_impossible_meshes_say_what_works():
+    with pytest.raises(ValueError, match="multiply to 3, which does not divide 8"):
+        make_mesh(dp=3)
+    with pytest.raises(ValueError, match=r"1×1×1 = 1, but there are 8 devices; .* devices=jax.devices\(\)\[:1\]"):
+        make_mesh(1, 1, 1)
+    cfg = ModelConfig(n_layer=1, d_model=96, n_head=6, rotary_dim=4, n_vocab=512)
+    with pytest.raises(ValueError, match=r"mp=8 must divide n_head=6 and d_ff=384; with 8 devices mp can be \[1, 2\]"):
+        make_mesh(mp=8, config=cfg)
+    with pytest.raises(ValueError, match=r"fsdp=8 must divide d_model=36"):
+        make_mesh(fsdp=8, config=ModelConfig(n_layer=1, d_model=36, n_head=6, rotary_dim=2, n_vocab=64))
+    assert dict(make_mesh(config=cfg).shape) == {"dp": 4, "fsdp": 1, "mp": 2}   # inference: mp as far as heads allow
+
+
+def test_lm_on_mesh_and_reshard(hf_checkpoint):
+    from conftest import hf_logits
+    path, model = hf_checkpoint(CFG)
+    tokens = np.random.default_rng(1).integers(0, CFG.n_vocab, (4, 9))
+    lm = LM.from_hf(path, dtype="float32", mesh=make_mesh(mp=8), progress=False)
+    assert {s.data.shape for s in lm.params["gptj/blocks/mlp/fc_in"]["w"].addressable_shards} == {(2, 64, 32)}
+    np.testing.assert_allclose(np.asarray(lm.logits(tokens)), hf_logits(model, tokens), atol=1e-4, rtol=0)
+    lm.shard(make_mesh(dp=2, fsdp=2, mp=2))
+    assert {s.data.shape for s in lm.params["gptj/blocks/mlp/fc_in"]["w"].addressable_shards} == {(2, 32, 128)}
+    np.testing.assert_allclose(np.asarray(lm.logits(tokens)), hf_logits(model, tokens), atol=1e-4, rtol=0)
+
+
+LOAD_ON_MESH = textwrap.dedent("""
+    import sys, resource, json, psutil, jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    from meshtx import LM
+    from meshtx.sharding import make_mesh
+    mesh = make_mesh(mp=8)
+    jax.numpy.zeros(1).block_until_ready()
+    base = psutil.Process().memory_info().rss
+    lm = LM.from_hf(sys.argv[1], dtype="float32", mesh=mesh, progress=False)
+    jax.block_until_ready(lm.params)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    shards = {f"{m}/{p}": sorted({s.data.shape for s in x.addressable_shards}) for m, ps in lm.params.items() for p, x in ps.items()}
+    print(json.dumps({"growth": peak - base, "fp32": lm.config.n_params * 4, "shards": shards}))
+""")
+
+MAKE_CKPT = textwrap.dedent("""
+    import sys, torch, transformers
+    from meshtx import ModelConfig
+    cfg = ModelConfig(n_layer=4, d_model=1024, n_head=16, rotary_dim=32, n_vocab=50400, n_ctx=256)
+    torch.manual_seed(0)
+    transformers.GPTJForCausalLM(cfg.to_hf()).save_pretrained(sys.argv[1])
+""")
+
+
+@pytest.mark.slow
+def test_loading_on_a_mesh_never_replicates(tmp_path):
+    "Loading with mesh= places each tensor into its shards: no full copy per device, peak host memory ~1x."
+    ckpt = tmp_path / "ckpt"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    subprocess.run([sys.executable, "-c", MAKE_CKPT, str(ckpt)], check=True, capture_output=True, timeout=600, env=env)
+    size = (ckpt / "model.safetensors").stat().st_size
+    assert size >= 200e6, size
+    r = subprocess.run([sys.executable, "-c", LOAD_ON_MESH, str(ckpt)], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    assert m["shards"]["gptj/blocks/attn/qkv"] == [[4, 1024, 3, 128]]
+    assert m["shards"]["gptj/wte/embedding"] == [[6300, 1024]]
+    ratio = m["growth"] / m["fp32"]
+    print(f"checkpoint {size / 1e6:.0f} MB fp32; peak RSS growth while loading onto 8 devices: {ratio:.2f}x")
+    assert ratio < 1.5, ratio   # a replicated copy per device would be 8x
+
+
+def test_plan_gptj_6b_analytic():
+    p = plan("gptj-6b", 1, mode="infer", batch=1, seq=2048)
+    assert p.bytes["params"] == 6_050_882_784 * 2            # 12.1 GB of bf16 weights
+    assert round(p.bytes["params"] / 1e9, 1) == 12.1
+    assert p.kv_cache_per_token == 458_752                    # 28 layers x (k, v) x 4096 x 2 bytes
+    assert p.bytes["kv_cache"] == 458_752 * 2048
+    tp8 = plan("gptj-6b", 8, mode="infer")
+    assert tp8.mesh == {"dp": 1, "fsdp": 1, "mp": 8}
+    assert tp8.bytes["kv_cache"] == 458_752 * 2048 // 8
+    assert abs(tp8.bytes["params"] - p.bytes["params"] / 8) < 0.002 * p.bytes["params"]   # all but LayerNorms split
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 8), (2, 2, 2), (1, 8, 1)], ids=lambda s: "dp%d-fsdp%d-mp%d" % s)
+def test_plan_matches_real_arrays(shape):
+    mesh = mesh_of(shape)
+    dev = jax.devices()[0]
+    def on_device0(tree):
+        return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == dev)
+    p_sh = param_shardings(CFG, mesh)
+    params = init_params(CFG, 0, p_sh)
+    train = plan(CFG, mesh, mode="train", batch=8, seq=16, param_dtype="float32")
+    opt_state = jax.jit(OPT.init, out_shardings=opt_state_shardings(OPT, params, p_sh, mesh))(params)
+    tokens = jax.device_put(np.zeros((8, 17), np.int32), batch_sharding(mesh, (8, 17)))
+    model = gptj(CFG, activation_hint(mesh))
+    grads = jax.jit(jax.grad(lambda p, t: cross_entropy(model.apply(p, t[:, :-1]), t[:, 1:])), out_shardings=p_sh)(params, tokens)
+    for name, real in (("params", params), ("opt_state", opt_state), ("grads", grads)):
+        got, want = on_device0(real), train.bytes[name]
+        assert abs(got - want) <= 0.05 * want, (name, got, want)
+    infer = plan(CFG, mesh, mode="infer", batch=8, seq=32, compute_dtype="bfloat16")
+    cache = jax.device_put(KVCache.init(CFG.replace(compute_dtype="bfloat16"), 8, 32), kv_cache_shardings(mesh, 8, CFG))
+    got = on_device0((cache.k, cache.v))
+    assert abs(got - infer.bytes["kv_cache"]) <= 0.05 * infer.bytes["kv_cache"], (got, infer.bytes["kv_cache"])
+
+
+def test_plan_cli():
+    exe = os.path.join(os.path.dirname(sys.executable), "meshtx")
+    r = subprocess.run([exe, "plan", "--preset", "gptj-6b", "--devices", "8", "--mode", "train"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "mesh dp=1 fsdp=8 mp=1 (8 devices)" in r.stdout and "opt_state" in r.stdout and "fits:" in r.stdout
