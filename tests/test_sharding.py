@@ -11,6 +11,8 @@ from meshtx.sharding import (make_mesh, param_shardings, activation_hint, batch_
                              plan, kv_cache_shardings)
 from test_parity import scaled_params
 
+pytestmark = pytest.mark.compat   # also run under jax==0.7.2
+
 MESHES = [(1, 1, 1), (8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 1, 4), (2, 2, 2)]
 # every split divides: n_head 8, d_model 64, d_ff 256, vocab 512 over 8 devices
 CFG = ModelConfig(n_layer=2, d_model=64, n_head=8, rotary_dim=4, n_vocab=512, n_ctx=64)

@@ -3,7 +3,8 @@
 #   1. the notebooks and the package agree (nbdev-export, nbdev-clean and the README change nothing)
 #   2. the notebooks' lessons (nbdev-test)
 #   3. the system tests (pytest tests/)
-#   4. the parity tests again under JAX 0.7.2, the version on Colab's TPU image (skip: MESHTX_SKIP_COMPAT=1)
+#   4. the parity, sharding and multi-host tests again under JAX 0.7.2, the version on Colab's TPU image
+#      (skip: MESHTX_SKIP_COMPAT=1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # 8 simulated CPU devices everywhere, so every mesh layout is tested on a laptop
@@ -29,12 +30,12 @@ echo "== system tests (pytest)"
 python -m pytest tests -q
 
 if [ "${MESHTX_SKIP_COMPAT:-0}" != 1 ]; then
-  echo "== parity tests under jax 0.7.2"
+  echo "== parity, sharding and multi-host tests under jax 0.7.2"
   overlay="${MESHTX_JAX072_DIR:-$HOME/.cache/meshtx/jax072}"
   if [ ! -f "$overlay/jax/version.py" ] || ! grep -q "_version = \"0.7.2\"" "$overlay/jax/version.py"; then
     rm -rf "$overlay"; python -m pip install -q --target "$overlay" --no-deps jax==0.7.2 jaxlib==0.7.2
   fi
   export XLA_FLAGS="$user_xla_flags"
   PYTHONPATH="$overlay" python -c 'import jax; assert jax.__version__ == "0.7.2", jax.__version__; print("jax", jax.__version__)'
-  PYTHONPATH="$overlay" python -m pytest tests -q -m parity
+  PYTHONPATH="$overlay" python -m pytest tests -q -m "parity or compat"
 fi
