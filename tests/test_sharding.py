@@ -138,7 +138,7 @@ LOAD_ON_MESH = textwrap.dedent("""
     mesh = make_mesh(mp=8)
     jax.numpy.zeros(1).block_until_ready()
     base = psutil.Process().memory_info().rss
-    lm = LM.from_hf(sys.argv[1], dtype="float32", mesh=mesh, progress=False)
+    lm = LM.from_hf(sys.argv[1], dtype="float32", mesh=mesh, tokenizer=None, progress=False)  # weights only
     jax.block_until_ready(lm.params)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     shards = {f"{m}/{p}": sorted({s.data.shape for s in x.addressable_shards}) for m, ps in lm.params.items() for p, x in ps.items()}
