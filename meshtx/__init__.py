@@ -19,7 +19,7 @@ Docs: https://meshtx.github.io/meshtx/index.html.md"""
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/index.ipynb #3b9f621b
+# %% ../nbs/index.ipynb #54943dfb
 from .config import ModelConfig, PRESETS
 from .model import KVCache, gptj, init_params, param_shapes
 from .tokenizer import EOT, gpt2_tokenizer, load_tokenizer
