@@ -7,6 +7,7 @@ from meshtx.tokenizer import EOT, gpt2_tokenizer, load_tokenizer
 from meshtx.lm import LM, enable_compilation_cache
 from meshtx.sharding import make_mesh, plan, param_shardings, shard_params
 from meshtx import distributed
+from meshtx.sampling import Generation   # also adds LM.generate
 ```"""
 
 __version__ = "0.0.1"
@@ -19,10 +20,11 @@ Docs: https://meshtx.github.io/meshtx/index.html.md"""
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/index.ipynb #54943dfb
+# %% ../nbs/index.ipynb #66811041
 from .config import ModelConfig, PRESETS
 from .model import KVCache, gptj, init_params, param_shapes
 from .tokenizer import EOT, gpt2_tokenizer, load_tokenizer
 from .lm import LM, enable_compilation_cache
 from .sharding import make_mesh, plan, param_shardings, shard_params
 from . import distributed
+from .sampling import Generation   # also adds LM.generate
