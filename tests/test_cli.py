@@ -39,3 +39,14 @@ def test_errors_are_one_line_not_tracebacks(tmp_path):
     assert "Traceback" not in r.stderr
     r = meshtx("frobnicate")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_sample_streams_the_greedy_continuation():
+    from meshtx import sampling  # noqa: F401  (adds LM.generate)
+    want = LM.init("demo").generate("Once upon a time", max_new_tokens=12, temperature=0).texts[0]
+    r = meshtx("sample", "--preset", "demo", "--prompt", "Once upon a time", "--temperature", "0",
+               "--max-new-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "Once upon a time" + want + "\n"
+    r = meshtx("sample", "--preset", "demo", "--top-p", "3", "--prompt", "x")
+    assert r.returncode == 2 and "invalid top_p=3.0" in r.stderr
