@@ -8,6 +8,8 @@ from meshtx.lm import LM, enable_compilation_cache
 from meshtx.sharding import make_mesh, plan, param_shardings, shard_params
 from meshtx import distributed
 from meshtx.sampling import Generation   # also adds LM.generate
+from meshtx.train import Trainer, make_optimizer, lr_schedule, demo
+from meshtx.evaluate import perplexity
 ```"""
 
 __version__ = "0.0.1"
@@ -20,7 +22,7 @@ Docs: https://meshtx.github.io/meshtx/index.html.md"""
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/index.ipynb #66811041
+# %% ../nbs/index.ipynb #621f58f3
 from .config import ModelConfig, PRESETS
 from .model import KVCache, gptj, init_params, param_shapes
 from .tokenizer import EOT, gpt2_tokenizer, load_tokenizer
@@ -28,3 +30,5 @@ from .lm import LM, enable_compilation_cache
 from .sharding import make_mesh, plan, param_shardings, shard_params
 from . import distributed
 from .sampling import Generation   # also adds LM.generate
+from .train import Trainer, make_optimizer, lr_schedule, demo
+from .evaluate import perplexity

@@ -1,0 +1,174 @@
+"""`meshtx serve` as a user runs it: a real server process on 127.0.0.1, real HTTP clients, the `openai` client."""
+import json, os, shutil, socket, subprocess, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+import httpx
+import pytest
+from meshtx import LM
+import meshtx.sampling  # noqa: F401  (adds LM.generate)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    "A `meshtx serve --preset demo` process on a free port of 127.0.0.1, its output in a log file."
+    def __init__(self, log_dir, *args):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        exe = shutil.which("meshtx") or str(Path(sys.executable).parent / "meshtx")
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # one CPU device, as users have
+        env.setdefault("MESHTX_CACHE_DIR", "off")
+        self.log = Path(log_dir) / f"serve-{self.port}.log"
+        self._log = open(self.log, "w")
+        self.proc = subprocess.Popen([exe, "serve", "--preset", "demo", "--port", str(self.port), *map(str, args)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def output(self): return self.log.read_text()
+
+    def wait_ready(self, timeout=120):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"meshtx serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200: return self
+            except httpx.HTTPError: pass
+            time.sleep(0.25)
+        pytest.fail(f"meshtx serve did not answer within {timeout} s:\n{self.output()}")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try: self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill(); self.proc.wait(10)
+        self._log.close()
+
+    def post(self, path, **kwargs): return httpx.post(f"{self.url}{path}", timeout=120, **kwargs)
+    def stats(self): return httpx.get(f"{self.url}/stats", timeout=10).json()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    "Two servers, started together: the defaults, and one with room for one running and one queued prompt."
+    log_dir = tmp_path_factory.mktemp("serve-logs")
+    started = []
+    try:
+        started.append(Server(log_dir))
+        started.append(Server(log_dir, "--max-batch", 1, "--max-queue", 1, "--batch-wait-ms", 0))
+        for s in started: s.wait_ready()
+        yield {"main": started[0], "tight": started[1]}
+    finally:
+        for s in started: s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers): return servers["main"]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return LM.init("demo")   # the same random weights as the server's `--preset demo` (seed 0)
+
+
+PROMPTS = [f"Client {i} would like to hear about {topic}" for i, topic in
+           enumerate(["JAX", "GPT-J", "the sea", "mountains", "tea", "compilers", "rain", "maps",
+                      "birds", "chess", "bread", "rivers", "trains", "jazz", "paper", "stars"])]
+LENGTHS = [4 + i % 5 for i in range(16)]
+
+
+def greedy(demo, prompt, n):
+    return demo.generate(prompt, max_new_tokens=n, temperature=0)
+
+
+def test_sixteen_concurrent_clients_are_batched_and_get_their_own_greedy_text(server, demo):
+    expected = [greedy(demo, p, n) for p, n in zip(PROMPTS, LENGTHS)]
+    before = server.stats()["generate_calls"]
+    start = threading.Barrier(16)
+    def ask(i):
+        start.wait()
+        return server.post("/v1/completions", json={"model": "demo", "prompt": PROMPTS[i], "max_tokens": LENGTHS[i],
+                                                    "temperature": 0})
+    with ThreadPoolExecutor(16) as ex: answers = list(ex.map(ask, range(16)))
+    assert [a.status_code for a in answers] == [200] * 16, [a.text for a in answers if a.status_code != 200]
+    bodies = [a.json() for a in answers]
+    assert [b["choices"][0]["text"] for b in bodies] == [g.texts[0] for g in expected]
+    assert [b["choices"][0]["finish_reason"] for b in bodies] == [g.finish_reasons[0] for g in expected]
+    assert [b["usage"]["completion_tokens"] for b in bodies] == [len(g.tokens[0]) for g in expected]
+    assert all(b["object"] == "text_completion" and b["model"] == "demo" for b in bodies)
+    stats = server.stats()
+    assert stats["generate_calls"] - before < 16, stats                 # requests shared generate calls
+    assert max(map(int, stats["batch_sizes"])) > 1, stats
+
+
+def test_complete_has_the_original_shape(server, demo):
+    r = server.post("/complete", json={"context": PROMPTS[0], "top_p": 0.9, "temp": 0, "max_tokens": 6})
+    assert r.status_code == 200 and r.json() == {"completion": greedy(demo, PROMPTS[0], 6).texts[0]}
+    r = server.post("/complete", json={"context": "EleutherAI is", "top_p": 0.9, "temp": 0.75, "max_tokens": 8})
+    assert r.status_code == 200 and list(r.json()) == ["completion"] and isinstance(r.json()["completion"], str)
+
+
+def test_the_openai_client_works_plain_and_streamed(server, demo):
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    assert [m.id for m in client.models.list()] == ["demo"]
+    c = client.completions.create(model="demo", prompt=PROMPTS[3], max_tokens=LENGTHS[3], temperature=0)
+    assert c.choices[0].text == greedy(demo, PROMPTS[3], LENGTHS[3]).texts[0]
+    pieces = list(client.completions.create(model="demo", prompt=PROMPTS[3], max_tokens=LENGTHS[3], temperature=0,
+                                            stream=True))
+    assert len(pieces) > 1
+    assert "".join(p.choices[0].text for p in pieces) == c.choices[0].text
+    assert pieces[-1].choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model="demo", prompt="x", max_tokens=4, top_p=5)
+    # on the wire: server-sent events ending with [DONE]
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120,
+                      json={"prompt": PROMPTS[3], "max_tokens": 4, "temperature": 0, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [l for l in r.iter_lines() if l]
+    assert lines[-1] == "data: [DONE]" and all(l.startswith("data: {") for l in lines[:-1])
+
+
+def test_bad_requests_are_400_naming_the_field_and_the_server_keeps_serving(server, demo):
+    r = server.post("/v1/completions", content=b'{"prompt": "x", ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    for body, field in [({"prompt": "x", "top_p": 5}, "top_p"), ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+                        ({"prompt": "x", "temperature": "warm"}, "temperature"), ({"max_tokens": 4}, "prompt"),
+                        ({"prompt": "hello " * 600, "max_tokens": 4}, "prompt"),
+                        ({"prompt": "hello " * 600, "max_tokens": 4, "stream": True}, "prompt")]:
+        r = server.post("/v1/completions", json=body)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert err["param"] == field and field in err["message"], (body, err)
+    assert "n_ctx=512" in server.post("/v1/completions", json={"prompt": "hello " * 600}).json()["error"]["message"]
+    r = server.post("/complete", json={"context": "x", "top_p": 5, "temp": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+    r = server.post("/v1/completions", json={"prompt": PROMPTS[5], "max_tokens": LENGTHS[5], "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy(demo, PROMPTS[5], LENGTHS[5]).texts[0]
+
+
+def test_a_full_queue_is_503_and_the_server_recovers(servers):
+    tight = servers["tight"]          # one prompt generating, one queued: a third concurrent one is refused
+    start = threading.Barrier(8)
+    def ask(i):
+        start.wait()
+        return tight.post("/v1/completions", json={"prompt": PROMPTS[i], "max_tokens": 40, "temperature": 0})
+    with ThreadPoolExecutor(8) as ex: answers = list(ex.map(ask, range(8)))
+    codes = sorted(a.status_code for a in answers)
+    assert set(codes) <= {200, 503} and 503 in codes and 200 in codes, codes
+    busy = next(a for a in answers if a.status_code == 503).json()["error"]
+    assert "busy" in busy["message"] and busy["type"] == "server_error"
+    r = tight.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+
+
+def test_serve_needs_a_model(tmp_path):
+    exe = shutil.which("meshtx") or str(Path(sys.executable).parent / "meshtx")
+    r = subprocess.run([exe, "serve"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--model" in r.stderr and "--preset" in r.stderr
