@@ -19,7 +19,8 @@ LOAD = textwrap.dedent("""
     base = psutil.Process().memory_info().rss
     params = load_hf_params(sys.argv[1], cfg, progress=False)
     jax.block_until_ready(params)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM: this process image's peak RSS (ru_maxrss would include the parent's, inherited across fork+exec)
+    peak = int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) * 1024
     print(json.dumps({"growth": peak - base, "bf16": cfg.n_params * 2,
                       "dtype": str(params["gptj/wte"]["embedding"].dtype)}))
 """)

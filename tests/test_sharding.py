@@ -140,7 +140,8 @@ LOAD_ON_MESH = textwrap.dedent("""
     base = psutil.Process().memory_info().rss
     lm = LM.from_hf(sys.argv[1], dtype="float32", mesh=mesh, tokenizer=None, progress=False)  # weights only
     jax.block_until_ready(lm.params)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM: this process image's peak RSS (ru_maxrss would include the parent's, inherited across fork+exec)
+    peak = int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) * 1024
     shards = {f"{m}/{p}": sorted({s.data.shape for s in x.addressable_shards}) for m, ps in lm.params.items() for p, x in ps.items()}
     print(json.dumps({"growth": peak - base, "fp32": lm.config.n_params * 4, "shards": shards}))
 """)
