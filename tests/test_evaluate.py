@@ -112,9 +112,10 @@ def test_raw_requests_match_hf(setup):
 
 @pytest.mark.slow
 def test_command_line(setup, tmp_path):
-    "`python -m meshtx.evaluate` is `lm_eval` with the `meshtx` model registered."
+    "`meshtx eval` (= `python -m meshtx.evaluate`) is `lm_eval` with the `meshtx` model registered."
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "meshtx.evaluate", "--model", "meshtx",
+    exe = os.path.join(os.path.dirname(sys.executable), "meshtx")
+    r = subprocess.run([exe, "eval", "--model", "meshtx",
                         "--model_args", f"pretrained={setup['ckpt']},dtype=float32", "--batch_size", "2",
                         "--tasks", "toy_mc", "--include_path", str(setup["tasks"]), "--limit", "2",
                         "--output_path", str(out)], capture_output=True, text=True, timeout=300)
