@@ -3,7 +3,6 @@ requests, the command line, and perplexity against a direct computation and agai
 import json, math, os, subprocess, sys, tempfile
 os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"            # local files only
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="meshtx-test-datasets-"))
-from pathlib import Path
 import numpy as np
 import pytest
 

@@ -3,7 +3,7 @@
 These are the gold-standard tests; CI runs them a second time under jax==0.7.2 (`-m parity`)."""
 import numpy as np
 import pytest
-from conftest import hf_logits, make_hf_model
+from conftest import hf_logits
 from meshtx import LM, ModelConfig, KVCache, gptj
 
 pytestmark = pytest.mark.parity

@@ -2,9 +2,8 @@
 import numpy as np
 import pytest
 import jax, jax.numpy as jnp
-from conftest import make_hf_model
 from meshtx import LM, ModelConfig
-from meshtx.sampling import apply_repetition_penalty, top_k_filter, top_p_filter, choose, Options
+from meshtx.sampling import apply_repetition_penalty, top_k_filter, top_p_filter
 from meshtx.sharding import make_mesh
 
 CONFIGS = {

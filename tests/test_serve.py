@@ -1,5 +1,5 @@
 """`meshtx serve` as a user runs it: a real server process on 127.0.0.1, real HTTP clients, the `openai` client."""
-import json, os, shutil, socket, subprocess, sys, threading, time
+import os, shutil, socket, subprocess, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import httpx

@@ -2,9 +2,8 @@
 import json, math, os, subprocess, sys, textwrap
 import numpy as np
 import pytest
-import jax, jax.numpy as jnp
+import jax
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
 from meshtx import LM, ModelConfig, gptj, init_params
 from meshtx.model import cross_entropy, KVCache
 from meshtx.sharding import (make_mesh, param_shardings, activation_hint, batch_sharding, opt_state_shardings,

@@ -1,6 +1,5 @@
 """Loading Hugging Face checkpoints in every form they come in, and refusing the ones that do not fit."""
 import json, os, subprocess, sys, textwrap
-from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
