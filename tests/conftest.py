@@ -3,6 +3,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import tempfile
+from pathlib import Path
 # 8 simulated CPU devices (before JAX starts), so the sharding tests can build every mesh
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -46,3 +47,42 @@ def hf_logits(model, tokens, attention_mask=None):
     with torch.no_grad():
         kw = {} if attention_mask is None else {"attention_mask": torch.tensor(np.asarray(attention_mask))}
         return model(torch.tensor(np.asarray(tokens)), **kw).logits.float().numpy()
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def gcs_bucket():
+    """A real GCS emulator (gcp-storage-emulator) on 127.0.0.1 for the session; yields a `gs://` bucket URL.
+
+    The environment variables are set before gcsfs is first used, and are inherited by subprocesses."""
+    import shutil, subprocess, sys, time, urllib.request
+    port = _free_port()
+    exe = shutil.which("gcp-storage-emulator") or str(Path(sys.executable).parent / "gcp-storage-emulator")
+    proc = subprocess.Popen([exe, "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory",
+                             "--default-bucket", "meshtx-test"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while True:
+        try:
+            urllib.request.urlopen(url + "/storage/v1/b", timeout=1); break
+        except Exception:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill(); raise RuntimeError("the GCS emulator did not start")
+            time.sleep(0.2)
+    old = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")}
+    os.environ["STORAGE_EMULATOR_HOST"] = url
+    os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"   # else gcsfs stalls 60 s per bucket
+    try:
+        yield "gs://meshtx-test"
+    finally:
+        proc.terminate()
+        try: proc.wait(10)
+        except subprocess.TimeoutExpired: proc.kill()
+        for k, v in old.items():
+            if v is None: os.environ.pop(k, None)
+            else: os.environ[k] = v

@@ -1,0 +1,68 @@
+"""LoRA: a frozen base, trained adapters, merging and export to Hugging Face."""
+import itertools, math
+import numpy as np
+import numpy.testing as npt
+import jax, jax.numpy as jnp
+import pytest
+from conftest import hf_logits
+from meshtx import LM
+from meshtx.config import ModelConfig, LoRAConfig
+from meshtx.lora import split_adapters
+from meshtx.sharding import make_mesh
+from meshtx.train import Trainer
+
+CFG = ModelConfig(n_layer=2, d_model=64, n_head=4, rotary_dim=8, n_vocab=300, n_ctx=64)
+
+
+def batches(seed=0, accum=1, batch=4, seq=16):
+    rng = np.random.default_rng(seed)
+    text = rng.integers(0, CFG.n_vocab, 400)
+    while True:
+        idx = rng.integers(0, len(text) - seq - 1, accum * batch)
+        yield np.stack([text[i:i + seq + 1] for i in idx]).reshape(accum, batch, seq + 1)
+
+
+def test_lora_trains_adapters_only_merges_and_exports_to_hf(hf_checkpoint, tmp_path):
+    import transformers
+    path, _ = hf_checkpoint(CFG)
+    lm = LM.from_hf(path, dtype="float32", tokenizer=None, progress=False)
+    base = jax.tree.map(np.array, lm.params)
+    t = Trainer(lm, batches(), lora=LoRAConfig(rank=4, alpha=8, targets=("q", "v", "out", "fc_in", "fc_out")),
+                lr=1e-2, progress=False)
+    losses = [t.step()["loss"] for _ in range(6)]
+    assert losses[-1] < losses[0]
+    frozen, adapters = split_adapters(lm.params)
+    jax.tree.map(npt.assert_array_equal, frozen, base)                      # the base is bitwise untouched
+    assert "lora_k_a" not in adapters["gptj/blocks/attn"]                    # only the chosen targets
+    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(adapters)) > 0
+    tokens = np.random.default_rng(1).integers(0, CFG.n_vocab, (2, 20))
+    with_adapters = np.asarray(lm.logits(tokens))
+    assert np.abs(with_adapters - np.asarray(LM(CFG, base).logits(tokens))).max() > 1e-3   # the adapters matter
+    lm.save_adapters(tmp_path / "adapters")
+    lm.merge_lora()
+    npt.assert_allclose(np.asarray(lm.logits(tokens)), with_adapters, atol=1e-5)
+    lm.save_hf(tmp_path / "merged", progress=False)
+    hf = transformers.GPTJForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    npt.assert_allclose(hf_logits(hf, tokens), with_adapters, atol=1e-4)
+    # the adapters alone, attached to a fresh copy of the base, give the same model again
+    again = LM.from_hf(path, dtype="float32", tokenizer=None, progress=False).load_adapters(tmp_path / "adapters")
+    npt.assert_allclose(np.asarray(again.logits(tokens)), with_adapters, atol=1e-6)
+
+
+def test_lora_on_a_mesh_matches_one_device():
+    def run(mesh):
+        lm = LM.init(CFG, seed=3, mesh=mesh)
+        t = Trainer(lm, batches(seed=2, accum=2), lora=4, lr=1e-3, progress=False)
+        return [t.step()["loss"] for _ in range(3)], jax.tree.map(np.asarray, split_adapters(lm.params)[1])
+    ref_losses, ref = run(None)
+    losses, got = run(make_mesh(dp=2, fsdp=2, mp=2, devices=jax.devices()[:8]))
+    npt.assert_allclose(losses, ref_losses, atol=1e-5)
+    jax.tree.map(lambda a, b: npt.assert_allclose(a, b, atol=1e-5), got, ref)
+
+
+def test_lora_config_errors():
+    with pytest.raises(ValueError, match="'wq'"): LoRAConfig(targets=["wq"])
+    lm = LM.init(CFG)
+    with pytest.raises(ValueError, match="no LoRA adapters"): lm.merge_lora()
+    lm.add_lora(2)
+    with pytest.raises(ValueError, match="already has LoRA"): lm.add_lora(2)
