@@ -8,7 +8,12 @@ from meshtx.lm import LM, enable_compilation_cache
 from meshtx.sharding import make_mesh, plan, param_shardings, shard_params
 from meshtx import distributed
 from meshtx.sampling import Generation   # also adds LM.generate
+from meshtx.config import LoRAConfig
+from meshtx.data import prepare_data, TokenData, Loader
+from meshtx.checkpoint import Checkpointer
+from meshtx import lora                  # adds LM.add_lora, merge_lora, save_adapters, load_adapters
 from meshtx.train import Trainer, make_optimizer, lr_schedule, demo
+from meshtx.runs import train, finetune
 from meshtx.evaluate import perplexity
 ```"""
 
@@ -22,7 +27,7 @@ Docs: https://meshtx.github.io/meshtx/index.html.md"""
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/index.ipynb #621f58f3
+# %% ../nbs/index.ipynb #54f335d8
 from .config import ModelConfig, PRESETS
 from .model import KVCache, gptj, init_params, param_shapes
 from .tokenizer import EOT, gpt2_tokenizer, load_tokenizer
@@ -30,5 +35,10 @@ from .lm import LM, enable_compilation_cache
 from .sharding import make_mesh, plan, param_shardings, shard_params
 from . import distributed
 from .sampling import Generation   # also adds LM.generate
+from .config import LoRAConfig
+from .data import prepare_data, TokenData, Loader
+from .checkpoint import Checkpointer
+from . import lora                  # adds LM.add_lora, merge_lora, save_adapters, load_adapters
 from .train import Trainer, make_optimizer, lr_schedule, demo
+from .runs import train, finetune
 from .evaluate import perplexity

@@ -1,0 +1,160 @@
+"""Training end to end: the original recipe, exact resume after kill -9, gs:// runs, fine-tuning a HF model."""
+import itertools, json, math, os, shutil, signal, subprocess, sys, time
+from pathlib import Path
+import numpy as np
+import numpy.testing as npt
+import jax, jax.numpy as jnp
+import pytest
+from meshtx import LM
+from meshtx.config import ModelConfig
+from meshtx.model import init_params
+from meshtx.train import lr_schedule, make_optimizer, make_train_step, TrainState, Trainer
+
+CFG = ModelConfig(n_layer=2, d_model=64, n_head=4, rotary_dim=8, n_vocab=257, n_ctx=64)
+
+
+def original_schedule(step, lr, end_lr, warmup, anneal):
+    "mesh-transformer-jax's gpt3_schedule, written out independently."
+    warmup_pct = min(1.0, step / warmup) if warmup else 1.0
+    t = min(max(step - warmup, 0), anneal) / anneal
+    return warmup_pct * lr - (lr - end_lr) * (1 - math.cos(math.pi * t)) / 2
+
+
+def test_schedule_equals_the_original_formula():
+    s = lr_schedule(6e-4, 6e-5, 300, 10_000)
+    for step in (0, 1, 150, 299, 300, 301, 2500, 5300, 10_299, 10_300, 10_301, 50_000):
+        assert abs(float(s(step)) - original_schedule(step, 6e-4, 6e-5, 300, 10_000)) < 1e-9, step
+
+
+def test_weight_decay_spares_biases_and_layernorms():
+    params = init_params(CFG)
+    opt = make_optimizer(lr=1e-2, weight_decay=0.3)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    upd, _ = opt.update(zeros, opt.init(params), params)
+    for module, ps in upd.items():
+        for name, u in ps.items():
+            decayed = bool(jnp.any(u != 0))
+            is_matrix = name in ("w", "qkv", "out", "embedding")
+            assert decayed == is_matrix, (module, name)
+
+
+def test_accumulation_equals_one_big_batch():
+    params = init_params(CFG)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CFG.n_vocab, (8, 17)))
+    opt = make_optimizer(lr=1e-4)
+    step = make_train_step(CFG, opt)
+    fresh = lambda: TrainState(jax.tree.map(jnp.copy, params), opt.init(params), jnp.zeros((), jnp.int32))
+    a, ma = step(fresh(), tokens.reshape(1, 8, 17))
+    b, mb = step(fresh(), tokens.reshape(4, 2, 17))
+    assert abs(float(ma["loss"]) - float(mb["loss"])) <= 1e-5
+    jax.tree.map(lambda x, y: npt.assert_allclose(x, y, atol=1e-5), a.params, b.params)
+
+
+def test_non_finite_losses_skip_then_stop():
+    lm = LM.init(CFG)
+    lm.params["gptj/lm_head"]["b"] = lm.params["gptj/lm_head"]["b"].at[3].set(jnp.nan)
+    batch = np.random.default_rng(0).integers(0, CFG.n_vocab, (1, 2, 9))
+    t = Trainer(lm, itertools.repeat(batch), nan_patience=3, progress=False)
+    with pytest.warns(UserWarning, match="update skipped"):
+        t.step(); t.step()
+    with pytest.raises(FloatingPointError, match="3 steps in a row"), pytest.warns(UserWarning):
+        t.step()
+
+
+def _run_config(tmp_path, model_dir, data):
+    run = dict(layers=2, d_model=64, n_heads=4, n_vocab=257, seq=32, pe_rotary_dims=8, tokenizer="bytes",
+               per_replica_batch=4, gradient_accumulation_steps=2, lr=3e-3, end_lr=3e-4, warmup_steps=3,
+               anneal_steps=15, total_steps=20, ckpt_every=10, keep_every=10, model_dir=str(model_dir),
+               train_set=str(data), seed=1)
+    path = tmp_path / f"{Path(model_dir).name}.json"
+    path.write_text(json.dumps(run))
+    return path
+
+
+def _meshtx_train(config, kill_after=None):
+    exe = shutil.which("meshtx") or str(Path(sys.executable).parent / "meshtx")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.Popen([exe, "train", "--config", str(config), "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    lines = []
+    for line in proc.stdout:
+        lines.append(json.loads(line))
+        if kill_after is not None and lines[-1].get("step") == kill_after:
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=120)
+    err = proc.stderr.read()
+    if kill_after is None: assert proc.returncode == 0, err
+    else: assert proc.returncode == -signal.SIGKILL
+    return lines
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    import pydoc_data.topics as topics
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "docs.txt").write_text("\n".join(topics.topics[k] for k in sorted(topics.topics)[:40]))
+    return d / "docs.txt"
+
+
+def test_resume_after_kill_9_is_exact(tmp_path, corpus):
+    from meshtx.checkpoint import Checkpointer
+    straight = _meshtx_train(_run_config(tmp_path, tmp_path / "straight", corpus))
+    assert [r["step"] for r in straight] == list(range(1, 21))
+    cfg = _run_config(tmp_path, tmp_path / "killed", corpus)
+    first = _meshtx_train(cfg, kill_after=15)
+    assert [r["step"] for r in first] == list(range(1, 16))
+    assert Checkpointer(tmp_path / "killed").steps() == [10]
+    second = _meshtx_train(cfg)
+    assert second[0] == {"resumed_from": 10}
+    resumed = first[:10] + second[1:]
+    assert [r["step"] for r in resumed] == list(range(1, 21))
+    npt.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in straight], rtol=0, atol=1e-6)
+    npt.assert_allclose([r["loss"] for r in first], [r["loss"] for r in straight[:15]], rtol=0, atol=1e-6)
+    assert Checkpointer(tmp_path / "killed").steps() == [10, 20]
+
+
+def test_training_run_on_gcs(gcs_bucket, tmp_path, corpus):
+    import fsspec
+    from meshtx.runs import train
+    from meshtx.checkpoint import Checkpointer
+    fs, _ = fsspec.core.url_to_fs(gcs_bucket)
+    fs.put(str(corpus), f"{gcs_bucket}/corpus/docs.txt")
+    run = json.loads(_run_config(tmp_path, "run", corpus).read_text())
+    run.update(model_dir=f"{gcs_bucket}/runs/a", train_set=f"{gcs_bucket}/corpus/docs.txt", total_steps=6, ckpt_every=3,
+               keep=1, keep_every=None)
+    lines = []
+    train(run, log=lines.append)
+    assert Checkpointer(f"{gcs_bucket}/runs/a").steps() == [6]
+    assert fs.exists(f"{gcs_bucket}/runs/a/data/train/header.json")
+    run["total_steps"] = 8
+    more = []
+    t = train(run, log=more.append)
+    assert json.loads(more[0]) == {"resumed_from": 6} and [json.loads(l)["step"] for l in more[1:]] == [7, 8]
+    assert len(t.history) == 8
+
+
+def _hf_perplexity(model_dir, text_ids):
+    import torch, transformers
+    model = transformers.GPTJForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    ids = torch.tensor(np.asarray(text_ids)[None])
+    with torch.no_grad(): return math.exp(float(model(ids, labels=ids).loss))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_finetune_lowers_perplexity_of_a_hf_model(hf_checkpoint, tmp_path, lora):
+    from meshtx.cli import main
+    from meshtx.tokenizer import gpt2_tokenizer
+    cfg = ModelConfig(n_layer=2, d_model=64, n_head=4, rotary_dim=8, n_vocab=50257, n_ctx=128)
+    path, _ = hf_checkpoint(cfg)
+    tok = gpt2_tokenizer()
+    tok.save_pretrained(path)
+    text = ("Mesh Transformer JAX trained GPT-J on TPUs. meshtx fine-tunes it anywhere, from a notebook. " * 30)
+    (tmp_path / "text.txt").write_text(text)
+    args = ["finetune", "--model", path, "--data", tmp_path / "text.txt", "--out", tmp_path / "out", "--steps", "25",
+            "--batch", "4", "--seq", "32", "--lr", "3e-3", "--val-fraction", "0.2", "-q"] + (["--lora", "8"] if lora else [])
+    assert main(args) == 0
+    ids = tok(text[:600])["input_ids"][:120]
+    before, after = _hf_perplexity(path, ids), _hf_perplexity(tmp_path / "out" / "model", ids)
+    assert after < before / 2, (before, after)
+    assert (tmp_path / "out" / "adapters" / "lora.json").exists() == lora
