@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import jax, jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import SingleDeviceSharding
 from meshtx.config import ModelConfig
 from meshtx.model import init_params, param_shapes
 from meshtx.sharding import make_mesh, param_shardings
-from meshtx.checkpoint import Checkpointer, tree_paths, load_mtj_checkpoint, MARKER
+from meshtx.checkpoint import Checkpointer, tree_paths, load_mtj_checkpoint
 
 pytestmark = pytest.mark.compat   # also run under jax==0.7.2
 

@@ -1,5 +1,5 @@
 """meshtx.data: documents -> packed token files -> batches; TFRecords read without TensorFlow; local and gs://."""
-import gzip, json, struct, warnings
+import gzip, json, struct
 from pathlib import Path
 
 import numpy as np
@@ -327,7 +327,7 @@ def test_gcs_prepare_open_and_load_like_local(tmp_path, gcs_bucket):
     (tmp_path / "docs.jsonl").write_text(lines)
     fs, root = filesystem(gcs_bucket)
     fs.pipe_file(f"{root}/src/docs.jsonl", lines.encode())
-    remote = prepare_data(f"{gcs_bucket}/src", f"{gcs_bucket}/ds", ByteTokenizer(), seq=16, val_fraction=0.1, progress=False)
+    prepare_data(f"{gcs_bucket}/src", f"{gcs_bucket}/ds", ByteTokenizer(), seq=16, val_fraction=0.1, progress=False)
     local = prepare_data(tmp_path / "docs.jsonl", tmp_path / "ds", ByteTokenizer(), seq=16, val_fraction=0.1, progress=False)
     assert fs.exists(f"{root}/ds/header.json") and fs.size(f"{root}/ds/tokens.bin") == (tmp_path / "ds" / "tokens.bin").stat().st_size
     opened = TokenData.open(f"{gcs_bucket}/ds")

@@ -1,5 +1,4 @@
 """LoRA: a frozen base, trained adapters, merging and export to Hugging Face."""
-import itertools, math
 import numpy as np
 import numpy.testing as npt
 import jax, jax.numpy as jnp
@@ -49,6 +48,7 @@ def test_lora_trains_adapters_only_merges_and_exports_to_hf(hf_checkpoint, tmp_p
     npt.assert_allclose(np.asarray(again.logits(tokens)), with_adapters, atol=1e-6)
 
 
+@pytest.mark.compat
 def test_lora_on_a_mesh_matches_one_device():
     def run(mesh):
         lm = LM.init(CFG, seed=3, mesh=mesh)

@@ -1,5 +1,5 @@
 """Training end to end: the original recipe, exact resume after kill -9, gs:// runs, fine-tuning a HF model."""
-import itertools, json, math, os, shutil, signal, subprocess, sys, time
+import itertools, json, math, os, shutil, signal, subprocess, sys
 from pathlib import Path
 import numpy as np
 import numpy.testing as npt
@@ -38,6 +38,7 @@ def test_weight_decay_spares_biases_and_layernorms():
             assert decayed == is_matrix, (module, name)
 
 
+@pytest.mark.compat
 def test_accumulation_equals_one_big_batch():
     params = init_params(CFG)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, CFG.n_vocab, (8, 17)))
@@ -97,6 +98,7 @@ def corpus(tmp_path_factory):
     return d / "docs.txt"
 
 
+@pytest.mark.compat
 def test_resume_after_kill_9_is_exact(tmp_path, corpus):
     from meshtx.checkpoint import Checkpointer
     straight = _meshtx_train(_run_config(tmp_path, tmp_path / "straight", corpus))
