@@ -410,3 +410,19 @@ def test_original_checkpoint_errors(tmp_path):
         load_mtj_checkpoint(tmp_path, CFG)
     with pytest.raises(ValueError, match="does not exist"):
         load_mtj_checkpoint(tmp_path / "nope", CFG)
+
+
+def test_convert_original_checkpoint_to_hf(tmp_path):
+    "`meshtx convert step_N/ out --mtj-config run.json` gives a Hugging Face checkpoint with the original's weights."
+    import json
+    from meshtx.cli import main
+    from meshtx.lm import LM
+    rng = np.random.default_rng(1)
+    shards, expected = original_shards(jax.tree.map(np.asarray, init_params(CFG, seed=5)), 2, rng, np.float32)
+    list(write_original(tmp_path / "step_7", shards, False, rng))
+    run = {"layers": CFG.n_layer, "d_model": CFG.d_model, "n_heads": CFG.n_head, "n_vocab": CFG.n_vocab,
+           "seq": CFG.n_ctx, "pe_rotary_dims": CFG.rotary_dim, "cores_per_replica": 2, "lr": 1e-4}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert main(["convert", tmp_path / "step_7", tmp_path / "hf", "--mtj-config", tmp_path / "run.json", "-q"]) == 0
+    back = LM.from_hf(tmp_path / "hf", dtype="float32", tokenizer=None, progress=False)
+    assert_trees_equal(jax.tree.map(np.asarray, back.params), expected)

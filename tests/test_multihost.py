@@ -13,13 +13,13 @@ def free_port():
         s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
 
 
-def run_job(nproc, out, deadline=60, env_extra=None):
+def run_job(nproc, out, deadline=60, env_extra=None, worker=WORKER, args=()):
     "Start `nproc` workers, wait for all; kill everyone and fail as soon as one dies or the deadline passes."
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(env_extra or {})
     port = str(free_port())
     logs = [open(f"{out}.{i}.log", "w+") for i in range(nproc)]   # files, not pipes: a full pipe would block a worker
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(nproc), port, str(out)], env=env,
+    procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(nproc), port, str(out), *map(str, args)], env=env,
                               stdout=logs[i], stderr=subprocess.STDOUT, text=True) for i in range(nproc)]
     start = time.monotonic()
     try:
@@ -56,3 +56,26 @@ def test_a_dead_process_fails_the_job_fast(tmp_path):
     with pytest.raises(RuntimeError, match="process 1 of 2 exited with 3"):
         run_job(2, tmp_path / "x.json", env_extra={"MESHTX_TEST_DIE": "1"})
     assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.slow
+def test_two_processes_fine_tune_like_one(tmp_path):
+    "Trainer + Loader + Checkpointer across two processes: same losses, and checkpoints with the same contents."
+    import numpy as np
+    import pydoc_data.topics as topics
+    from meshtx.data import prepare_data
+    from meshtx.tokenizer import ByteTokenizer
+    from meshtx.checkpoint import Checkpointer
+    (tmp_path / "docs.txt").write_text("\n".join(topics.topics[k] for k in sorted(topics.topics)[:10]))
+    prepare_data(tmp_path / "docs.txt", tmp_path / "data", ByteTokenizer(), seq=32, val_fraction=0.1, progress=False)
+    worker = Path(__file__).with_name("multihost_train_worker.py")
+    one = run_job(1, tmp_path / "one.json", deadline=120, worker=worker, args=[tmp_path])
+    two = run_job(2, tmp_path / "two.json", deadline=120, worker=worker, args=[tmp_path])
+    assert two["processes"] == 2
+    np.testing.assert_allclose(two["losses"], one["losses"], atol=1e-5)
+    assert abs(two["val"] - one["val"]) <= 1e-5
+    a, _ = Checkpointer(tmp_path / "ckpt-1").restore()
+    b, meta = Checkpointer(tmp_path / "ckpt-2").restore()
+    assert meta["data"]["position"] == 3
+    import jax
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5), a["params"], b["params"])
