@@ -160,3 +160,44 @@ def test_finetune_lowers_perplexity_of_a_hf_model(hf_checkpoint, tmp_path, lora)
     before, after = _hf_perplexity(path, ids), _hf_perplexity(tmp_path / "out" / "model", ids)
     assert after < before / 2, (before, after)
     assert (tmp_path / "out" / "adapters" / "lora.json").exists() == lora
+
+
+def test_adafactor_trains():
+    batch = np.tile(np.arange(10, 42), 3)[None, None, :33].repeat(4, axis=1)
+    t = Trainer(LM.init(CFG), itertools.repeat(batch), optimizer="adafactor", lr=1e-2, progress=False)
+    first = t.evaluate([batch])
+    t.run(15)
+    assert t.evaluate([batch]) < first - 1.0
+
+
+def test_trainer_save_restore_and_weights_only(tmp_path):
+    from meshtx.data import prepare_data, Loader
+    from meshtx.tokenizer import ByteTokenizer
+    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog. " * 100)
+    data = prepare_data(tmp_path / "t.txt", tmp_path / "data", ByteTokenizer(), seq=16, progress=False)
+    def trainer(): return Trainer(LM.init(CFG, seed=2), Loader(data, 4, seed=5), lr=1e-3, checkpoint_dir=tmp_path / "ck", progress=False)
+    a = trainer()
+    for _ in range(3): a.step()
+    a.save()
+    rest = [a.step()["loss"] for _ in range(2)]
+    b = trainer()
+    assert b.restore() == 3 and len(b.history) == 3 and b.loader.position == 3
+    assert [b.step()["loss"] for _ in range(2)] == rest                     # same state, same next batches
+    c = trainer()
+    c.restore(weights_only=True)                                            # the original's --fresh-opt
+    assert int(c.state.step) == 0 and c.history == [] and c.loader.position == 0
+    saved, _ = a._checkpointer().restore(3)
+    jax.tree.map(npt.assert_array_equal, jax.tree.map(np.asarray, c.state.params), saved["params"])
+    assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(c.state.opt_state[1][0].mu))
+
+
+def test_prepare_data_command(tmp_path):
+    from meshtx.cli import main
+    from meshtx.data import TokenData
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"line {i} of the corpus"}) + "\n" for i in range(200)))
+    assert main(["prepare-data", tmp_path / "a.jsonl", "--out", tmp_path / "ds", "--seq", "64", "--val-fraction", "0.1",
+                 "--tokenizer", "gpt2", "-q"]) == 0
+    data = TokenData.open(tmp_path / "ds")
+    assert data.seq == 64 and data.n("val") >= 1 and data.header["vocab_size"] == 50257
+    assert main(["prepare-data", tmp_path / "missing.txt", "--out", tmp_path / "ds2", "-q"]) == 2
+    assert not (tmp_path / "ds2").exists()
