@@ -148,7 +148,21 @@ def image_src(page, cls):
     }""", cls)
 
 
+_STDERR = '[data-mime-type="application/vnd.jupyter.stderr"], [data-mime-type="application/vnd.jupyter.error"]'
+
+
 def page_errors(page):
-    "Text of Voila's error output (a traceback from a failing cell), if any."
-    return page.evaluate("""() => Array.from(document.querySelectorAll('.jp-RenderedText[data-mime-type="application/vnd.jupyter.stderr"], .jp-OutputArea-output pre'))
-                              .map(e => e.innerText).join('\\n')""")
+    "The text of the notebook's stderr outputs on the page (a failing cell's traceback, warnings)."
+    return page.evaluate("sel => Array.from(document.querySelectorAll(sel)).map(e => e.innerText).join('\\n')", _STDERR)
+
+
+def wait_for_widget(page, url, selector, timeout):
+    """Open Voila's page and wait until `selector` is visible; fail at once, with the traceback, if a cell raised."""
+    page.goto(url, timeout=timeout * 1000, wait_until="domcontentloaded")
+    page.wait_for_function("""([sel, err]) => {
+        const el = document.querySelector(sel);
+        if (el && el.offsetParent !== null) return true;
+        return Array.from(document.querySelectorAll(err)).some(e => /Traceback|Error/.test(e.innerText));
+    }""", arg=[selector, _STDERR], timeout=timeout * 1000, polling=250)
+    if not page.locator(selector).count():
+        raise AssertionError(f"a notebook cell failed; {selector} never appeared:\n{page_errors(page)}")

@@ -1,11 +1,12 @@
 """The widgets in a real browser: a notebook served by Voila (kernel on 127.0.0.1), driven by Debian's Chromium through
-Playwright. Skipped only where Chromium is not installed (CI installs it: `apt-get install chromium`).
+Playwright. Skipped only where Chromium is not installed (CI installs it: `apt-get install chromium`); with
+`MESHTX_REQUIRE_BROWSER=1` (set by .ci/run) a missing Chromium fails instead.
 
 Screenshots (and, on a failure, the page and Voila's log) go to `$MESHTX_ARTIFACTS` or `tests/artifacts/`."""
-import contextlib, re, shutil, time
+import contextlib, os, re, shutil, time
 import pytest
 from browser_util import (CHROMIUM_ARGS, artifacts_dir, chromium_path, image_src, page_errors, set_widget_value, tail,
-                          voila_server, wait_until, widget_text, write_notebook)
+                          voila_server, wait_for_widget, wait_until, widget_text, write_notebook)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -17,6 +18,8 @@ COMPILE_TIMEOUT = 60   # s: the kernel's first JAX compile of a step or of gener
 def browser():
     exe = chromium_path()
     if exe is None:
+        if os.environ.get("MESHTX_REQUIRE_BROWSER") == "1":
+            pytest.fail("MESHTX_REQUIRE_BROWSER=1 but Chromium is not installed (apt-get install chromium)")
         pytest.skip("Chromium is not installed (apt-get install chromium); the real-browser widget tests need it")
     from playwright.sync_api import sync_playwright
     with sync_playwright() as p:
@@ -61,17 +64,12 @@ def diagnosed(page, log, name):
                              f"(artifacts in {out})") from e
 
 
-def open_widget(page, url, selector):
-    page.goto(url, timeout=PAGE_TIMEOUT * 1000, wait_until="domcontentloaded")
-    page.wait_for_selector(selector, timeout=PAGE_TIMEOUT * 1000, state="visible")
-
-
 def test_sampler_widget_in_browser(voila, page):
     url, log = voila("from meshtx import LM\nimport meshtx.widgets as W\nlm = LM.init('demo')",
                      "W.SamplerWidget(lm)", name="sampler")
     out = artifacts_dir("sampler")
     with diagnosed(page, log, "sampler"):
-        open_widget(page, url, ".meshtx-prompt")
+        wait_for_widget(page, url, ".meshtx-prompt", PAGE_TIMEOUT)
         for cls in ("generate", "stop", "output", "stats", "error", "temperature", "top-p", "top-k", "max-tokens",
                     "repetition-penalty", "seed"):
             assert page.locator(f".meshtx-{cls}").count() == 1, f"no element with class meshtx-{cls}"
@@ -126,7 +124,7 @@ def test_finetune_widget_in_browser(voila, page):
     url, log = voila(FINETUNE_SETUP, "W.FinetuneWidget(t)", name="finetune")
     out = artifacts_dir("finetune")
     with diagnosed(page, log, "finetune"):
-        open_widget(page, url, ".meshtx-step")
+        wait_for_widget(page, url, ".meshtx-step", PAGE_TIMEOUT)
         for cls in ("start", "pause", "save", "progress", "status", "plot", "sample"):
             assert page.locator(f".meshtx-{cls}").count() == 1, f"no element with class meshtx-{cls}"
         assert _step(page) == 0, widget_text(page, "meshtx-status")

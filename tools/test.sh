@@ -3,7 +3,8 @@
 #   1. the notebooks and the package agree (nbdev-export, nbdev-clean and the README change nothing)
 #   2. the notebooks' lessons (nbdev-test)
 #   3. the system tests (pytest tests/)
-#   4. the parity, sharding and multi-host tests again under JAX 0.7.2, the version on Colab's TPU image
+#   4. the widget tests again under ipywidgets 7.7.1 (Colab's), then the parity, sharding and multi-host
+#      tests again under JAX 0.7.2, the version on Colab's TPU image
 #      (skip: MESHTX_SKIP_COMPAT=1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,15 @@ nbdev-test --n-workers 2
 
 echo "== system tests (pytest)"
 python -m pytest tests -q
+
+echo "== widgets again under ipywidgets 7.7.1 (Colab's version)"
+ipyw="${MESHTX_IPYW771_DIR:-$HOME/.cache/meshtx/ipyw771}"
+if [ ! -f "$ipyw/ipywidgets/_version.py" ] || ! grep -q "7, 7, 1" "$ipyw/ipywidgets/_version.py"; then
+  rm -rf "$ipyw"
+  python -m pip install -q --target "$ipyw" --no-deps ipywidgets==7.7.1 widgetsnbextension==3.6.10 jupyterlab_widgets==1.1.11 ipython_genutils==0.2.0
+fi
+PYTHONPATH="$ipyw" python -c 'import ipywidgets; assert ipywidgets.__version__ == "7.7.1", ipywidgets.__version__; print("ipywidgets", ipywidgets.__version__)'
+PYTHONPATH="$ipyw" python -m pytest tests -q -m widgets
 
 if [ "${MESHTX_SKIP_COMPAT:-0}" != 1 ]; then
   echo "== parity, sharding and multi-host tests under jax 0.7.2"
