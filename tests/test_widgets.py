@@ -54,7 +54,8 @@ def test_finetune_widget_step_start_pause_save(tmp_path):
     t = Trainer(LM.init("tiny"), itertools.repeat(PATTERN), val_data=[PATTERN[0]], lr=3e-3, total_steps=400,
                 checkpoint_dir=str(tmp_path / "ck"), progress=False)
     w = FinetuneWidget(t, eval_every=5, plot_every=1)
-    w.step_button.click()
+    w.step_button.click()                                       # one step, in the background
+    assert w.controller.wait(60)
     assert w.controller.steps_done == 1 and w.status.value.startswith("step 1 / 400")
     first_plot = w.plot.value
     w.start_button.click()
@@ -87,6 +88,7 @@ def test_finetune_widget_builds_a_trainer_from_files(tmp_path):
     w.build_button.click()
     assert w.error.value == "" and w.controller is not None and not w.start_button.disabled
     w.step_button.click()
+    assert w.controller.wait(60)
     assert w.controller.steps_done == 1 and lm.lora is not None
 
 
