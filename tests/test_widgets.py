@@ -90,6 +90,11 @@ def test_finetune_widget_builds_a_trainer_from_files(tmp_path):
     w.step_button.click()
     assert w.controller.wait(60)
     assert w.controller.steps_done == 1 and lm.lora is not None
+    w.controller.eval_every = 2                                 # step 2 evaluates and previews a sample
+    w.start_button.click()
+    assert w.controller.wait(120)
+    assert w.controller.steps_done == 3 and "done: 3 steps" in w.status.value
+    assert "sample" in w.sample.value and w.controller.last_sample and "val" in w.status.value
 
 
 def test_uploads_on_both_ipywidgets_versions():
