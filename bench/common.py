@@ -1,0 +1,119 @@
+"""Shared pieces of the benchmarks: configs, the same weights in meshtx and HF transformers, timing, the table.
+
+Every benchmark runs meshtx AND Hugging Face transformers (PyTorch) on the same config and the same weights in
+the same process, and prints one table: figure, meshtx, HF, ratio (meshtx / HF, higher is better), and on a GPU
+or TPU the fraction of the hardware limit (memory bandwidth for decode, peak bf16 FLOP/s for training)."""
+from __future__ import annotations
+import argparse, json, os, platform, statistics, subprocess, sys, tempfile, time
+from pathlib import Path
+
+PRESETS = {   # model shapes: tiny for CI smoke runs, small for CPU ratios, gptj-6b on an accelerator
+    "tiny": dict(n_layer=2, d_model=128, n_head=4, rotary_dim=16, n_vocab=1024, n_ctx=512),
+    "small": dict(n_layer=6, d_model=512, n_head=8, rotary_dim=32, n_vocab=50400, n_ctx=1024),
+    "gptj-6b": dict(n_layer=28, d_model=4096, n_head=16, rotary_dim=64, n_vocab=50400, n_ctx=2048),
+}
+# peak dense bf16 FLOP/s and HBM bandwidth (bytes/s) from the vendors' data sheets, by jax device_kind prefix
+CHIP_LIMITS = {"NVIDIA H200": (989e12, 4.8e12), "NVIDIA H100": (989e12, 3.35e12), "NVIDIA A100": (312e12, 2.0e12),
+               "TPU v5 lite": (197e12, 0.819e12), "TPU v5e": (197e12, 0.819e12), "TPU v4": (275e12, 1.2e12),
+               "TPU v3": (123e12, 0.9e12), "TPU v2": (45e12, 0.6e12)}
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model shape (default small)")
+    p.add_argument("--dtype", help="parameter/compute dtype (default: float32 on CPU, bfloat16 on GPU/TPU)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repetitions (the median is reported)")
+    p.add_argument("--json", help="append the rows as JSON lines to this file")
+    p.add_argument("--no-hf", action="store_true", help="meshtx only")
+    return p
+
+
+def backend() -> str:
+    import jax
+    return jax.default_backend()
+
+
+def default_dtype(args) -> str:
+    return args.dtype or ("float32" if backend() == "cpu" else "bfloat16")
+
+
+def limits():
+    "(peak FLOP/s, bandwidth) of this chip, or None on CPU / unknown chips."
+    import jax
+    kind = jax.devices()[0].device_kind
+    return next((v for k, v in CHIP_LIMITS.items() if kind.startswith(k)), None)
+
+
+def config(args):
+    from meshtx import ModelConfig
+    return ModelConfig(**PRESETS[args.preset])
+
+
+def torch_device():
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def models(cfg, dtype: str, hf: bool = True, seed: int = 0):
+    """`(lm, hf_model)` holding the same random weights: meshtx initialises, saves a HF checkpoint, HF loads it."""
+    from meshtx import LM
+    lm = LM.init(cfg, seed=seed, dtype=dtype, tokenizer=None)
+    if not hf: return lm, None
+    import torch, transformers
+    transformers.logging.set_verbosity_error()
+    with tempfile.TemporaryDirectory() as d:
+        lm.save_hf(d, progress=False)
+        model = transformers.GPTJForCausalLM.from_pretrained(d, torch_dtype=getattr(torch, dtype)).to(torch_device()).eval()
+    return lm, model
+
+
+def timed(fn, repeats: int = 3, warmup: int = 1) -> float:
+    "Median wall-clock seconds of `fn()` (which must block until its work is done) after `warmup` calls."
+    for _ in range(warmup): fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter(); fn(); times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def sync_torch():
+    import torch
+    if torch.cuda.is_available(): torch.cuda.synchronize()
+
+
+def commit() -> str:
+    try: return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                               cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError: return "unknown"
+
+
+def environment() -> dict:
+    import jax
+    from importlib.metadata import version
+    env = {"date": time.strftime("%Y-%m-%d"), "commit": commit(), "machine": platform.processor() or platform.machine(),
+           "cpus": os.cpu_count(), "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
+           "n_devices": jax.device_count()}
+    for pkg in ("jax", "jaxlib", "dm-haiku", "torch", "transformers", "peft"):
+        try: env[pkg] = version(pkg)
+        except Exception: env[pkg] = "-"
+    return env
+
+
+def report(title: str, rows: list[dict], args, notes: str = ""):
+    """Print the table (and append JSON lines if asked). A row: figure, meshtx, hf, unit, and optionally limit
+    (the fraction of the hardware limit meshtx reaches)."""
+    print(f"\n### {title} — preset {args.preset}, {default_dtype(args)}, {backend()}")
+    print("| figure | meshtx | HF transformers | ratio | of hardware limit |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        m, h = r.get("meshtx"), r.get("hf")
+        fmt = lambda v: "—" if v is None else f"{v:,.4g} {r['unit']}"
+        ratio = f"{m / h:.2f}×" if m and h else "—"
+        if r.get("lower_is_better") and m and h: ratio = f"{h / m:.2f}×"
+        lim = f"{r['limit']:.0%}" if r.get("limit") is not None else "—"
+        print(f"| {r['figure']} | {fmt(m)} | {fmt(h)} | {ratio} | {lim} |")
+    if notes: print(notes)
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows: f.write(json.dumps({"bench": title, "preset": args.preset, "dtype": default_dtype(args), **r}) + "\n")
+    sys.stdout.flush()

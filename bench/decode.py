@@ -1,0 +1,45 @@
+"""Generation speed: greedy decoding of `--new` tokens after a `--prompt`-token prompt, batch 1 and `--batch`.
+meshtx `lm.generate` against HF `model.generate(do_sample=False)`; tokens/s counts generated tokens only.
+On an accelerator, batch-1 decode is bounded by reading every weight once per token: limit = bandwidth / weight bytes."""
+import numpy as np
+from common import parser, config, models, timed, report, default_dtype, limits, sync_torch, torch_device
+
+
+def main(argv=None):
+    p = parser(__doc__)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    args = p.parse_args(argv)
+    import meshtx.sampling  # noqa: F401
+    cfg, dtype = config(args), default_dtype(args)
+    lm, hf = models(cfg, dtype, hf=not args.no_hf)
+    weight_bytes = cfg.n_params * (2 if dtype in ("bfloat16", "float16") else 4)
+    lim = limits()
+    rows = []
+    for B in sorted({1, args.batch}):
+        prompts = np.random.default_rng(B).integers(0, cfg.n_vocab, (B, args.prompt)).tolist()
+        run = lambda: lm.generate(prompts, max_new_tokens=args.new, temperature=0, eos_token_id=None)
+        t = timed(run, args.repeats)
+        t_hf = None
+        if hf is not None:
+            import torch
+            ids = torch.tensor(prompts, device=torch_device())
+            def run_hf():
+                with torch.no_grad():
+                    hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new, min_new_tokens=args.new,
+                                do_sample=False, pad_token_id=0)
+                sync_torch()
+            t_hf = timed(run_hf, args.repeats)
+        tok, tok_hf = B * args.new / t, (B * args.new / t_hf if t_hf else None)
+        frac = (tok / B) / (lim[1] / weight_bytes) if lim and B == 1 else None
+        rows.append(dict(figure=f"decode tokens/s, batch {B}", meshtx=tok, hf=tok_hf, unit="tok/s", limit=frac))
+        if B == 1:
+            rows.append(dict(figure="ms per token, batch 1", meshtx=1000 * t / args.new, hf=1000 * t_hf / args.new if t_hf else None,
+                             unit="ms", lower_is_better=True))
+    report("decode", rows, args, f"(prompt {args.prompt} tokens, {args.new} new tokens, greedy; "
+                                  f"limit = HBM bandwidth / {weight_bytes / 1e9:.2f} GB of weights per token)")
+    return rows
+
+
+if __name__ == "__main__": main()

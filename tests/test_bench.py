@@ -1,0 +1,22 @@
+"""The benchmarks run (as a smoke test, at the tiny shape): each finishes and prints its table. No timing is asserted."""
+import os, subprocess, sys
+from pathlib import Path
+import pytest
+
+BENCH = Path(__file__).parent.parent / "bench"
+ARGS = {"decode": ["--prompt", "8", "--new", "8", "--batch", "2"], "prefill": ["--seq", "32", "--batch", "2"],
+        "train": ["--seq", "32", "--batch", "2"], "lora": ["--seq", "32", "--batch", "2"], "compile": []}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(ARGS))
+def test_benchmark_prints_its_table(name):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    r = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--preset", "tiny", "--repeats", "1", *ARGS[name]],
+                       capture_output=True, text=True, timeout=300, cwd=BENCH, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = [l for l in r.stdout.splitlines() if l.startswith("| ")]
+    header, rows = table[0], table[1:]
+    assert header.startswith("| figure | meshtx | HF transformers | ratio |") and rows, r.stdout
+    if name != "compile":
+        assert all("—" not in l.split("|")[3] for l in rows if "tok/s" in l), r.stdout   # HF measured too
