@@ -25,6 +25,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions (the median is reported)")
     p.add_argument("--json", help="append the rows as JSON lines to this file")
     p.add_argument("--no-hf", action="store_true", help="meshtx only")
+    p.add_argument("--attention", default="xla", choices=["xla", "cudnn"], help="meshtx full-sequence attention")
+    p.add_argument("--remat-policy", default="nothing", choices=["nothing", "dots"], help="with --checkpointing")
     return p
 
 
@@ -46,7 +48,7 @@ def limits():
 
 def config(args):
     from meshtx import ModelConfig
-    return ModelConfig(**PRESETS[args.preset])
+    return ModelConfig(**PRESETS[args.preset], attention=args.attention, remat_policy=args.remat_policy)
 
 
 def torch_device():
@@ -55,16 +57,41 @@ def torch_device():
 
 
 def models(cfg, dtype: str, hf: bool = True, seed: int = 0):
-    """`(lm, hf_model)` holding the same random weights: meshtx initialises, saves a HF checkpoint, HF loads it."""
+    """`(lm, hf_model)` holding the same random weights: meshtx initialises them, and HF's model, built on its
+    device, gets a copy tensor by tensor (no checkpoint on disk: 12 GB at the 6B shape). The two models'
+    logits are compared before anything is timed."""
+    import numpy as np
     from meshtx import LM
     lm = LM.init(cfg, seed=seed, dtype=dtype, tokenizer=None)
     if not hf: return lm, None
     import torch, transformers
+    from meshtx.weights import hf_tensors
     transformers.logging.set_verbosity_error()
-    with tempfile.TemporaryDirectory() as d:
-        lm.save_hf(d, progress=False)
-        model = transformers.GPTJForCausalLM.from_pretrained(d, torch_dtype=getattr(torch, dtype)).to(torch_device()).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device(torch_device()): model = transformers.GPTJForCausalLM(cfg.to_hf())
+    finally: torch.set_default_dtype(default)
+    own = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, a in hf_tensors(lm.params, cfg):
+            t = torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16) if a.dtype.name == "bfloat16" else torch.from_numpy(a)
+            own.pop(name).copy_(t)
+    if own: raise RuntimeError(f"HF parameters without a meshtx counterpart: {sorted(own)}")
+    model.eval()
+    check_parity(lm, model, cfg, dtype)
     return lm, model
+
+
+def check_parity(lm, model, cfg, dtype):
+    "Stop if meshtx and HF disagree on the logits of a short random sequence (float32 tolerance, looser in bf16)."
+    import numpy as np, torch
+    ids = np.random.default_rng(0).integers(0, cfg.n_vocab, (1, 16))
+    ours = np.asarray(lm.logits(ids), np.float32)
+    with torch.no_grad(): theirs = model(torch.tensor(ids, device=torch_device())).logits.float().cpu().numpy()
+    err, tol = float(np.abs(ours - theirs).max()), (1e-3 if dtype == "float32" else 0.25)
+    print(f"(parity: max |logit difference| meshtx vs HF = {err:.2e})")
+    if not err <= tol: raise RuntimeError(f"meshtx and HF logits differ by {err} (> {tol}): not the same model")
 
 
 def timed(fn, repeats: int = 3, warmup: int = 1) -> float:

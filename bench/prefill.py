@@ -12,6 +12,11 @@ def main(argv=None):
     lm, hf = models(cfg, dtype, hf=not args.no_hf)
     tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, (args.batch, args.seq))
     t = timed(lambda: lm.logits(tokens).block_until_ready(), args.repeats)
+    if cfg.attention != "xla":   # another attention kernel must give the same logits as the einsum
+        from meshtx import LM
+        plain = LM(cfg.replace(attention="xla"), lm.params, None)
+        err = float(np.abs(np.asarray(lm.logits(tokens[:1, :256])) - np.asarray(plain.logits(tokens[:1, :256]))).max())
+        print(f"(attention={cfg.attention} vs xla: max |logit difference| = {err:.2e})")
     t_hf = None
     if hf is not None:
         import torch

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 python -c 'import json, common; print(json.dumps(common.environment()))'
-for b in decode prefill train lora compile; do python "$b.py" "$@"; done
+for b in decode prefill train lora compile memory; do python "$b.py" "$@"; done

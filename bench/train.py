@@ -37,13 +37,15 @@ def main(argv=None, lora: int = 0):
     if args.checkpointing: cfg = cfg.replace(remat=True)
     lm, hf = models(cfg, dtype, hf=not args.no_hf)
     tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, (1, args.batch, args.seq + 1))
-    kw = dict(lora=lora) if lora else dict(param_dtype="float32")
+    # the same recipe as the PyTorch side: weights and Adam moments in the benchmark's dtype
+    kw = dict(lora=lora) if lora else dict(param_dtype=dtype, mu_dtype=dtype)
     t_ = Trainer(lm, itertools.repeat(tokens), lr=1e-4, progress=False, **kw)
     t = timed(t_.step, args.repeats)
     peak = None
-    import jax
+    import gc, jax
     stats = jax.devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats: peak = stats["peak_bytes_in_use"] / 2**30
+    del t_, lm; gc.collect()   # free meshtx's training state before PyTorch allocates its own
     t_hf = peak_hf = None
     if hf is not None:
         import torch

@@ -5,7 +5,7 @@ import pytest
 
 BENCH = Path(__file__).parent.parent / "bench"
 ARGS = {"decode": ["--prompt", "8", "--new", "8", "--batch", "2"], "prefill": ["--seq", "32", "--batch", "2"],
-        "train": ["--seq", "32", "--batch", "2"], "lora": ["--seq", "32", "--batch", "2"], "compile": []}
+        "train": ["--seq", "32", "--batch", "2"], "lora": ["--seq", "32", "--batch", "2"], "compile": [], "memory": ["--seq", "32"]}
 
 
 @pytest.mark.slow

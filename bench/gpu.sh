@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 7's device check, as ONE command for a lent NVIDIA H200: every benchmark at the GPT-J-6B shape in bf16,
+# meshtx against HF transformers in the same process, tables to $OUT/gpu.log and rows to $OUT/gpu.jsonl.
+#   here:   bash bench/fetch_wheels.sh
+#   there:  run(command="bash bench/gpu.sh", carry=[".whl"], timeout_s=600)
+# Each step has its own time limit so one slow step cannot eat the others; the whole script stays under 560 s.
+set -uo pipefail
+cd "$(dirname "$0")"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/..:${PYTHONPATH:-}"
+if ls ../.whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ../.whl/*.whl \
+    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+OUT="${OUT:-/tmp/meshtx-bench}"; mkdir -p "$OUT"
+LOG="$OUT/gpu.log" JSON="$OUT/gpu.jsonl"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$LOG"
+python3 -c 'import json, common; print(json.dumps(common.environment()))' 2>&1 | tee -a "$LOG"
+step() {  # step SECONDS SCRIPT ARGS...
+  local limit=$1; shift
+  echo "## $(date +%T) $* (limit ${limit}s)" | tee -a "$LOG"
+  timeout "$limit" python3 "$@" --preset gptj-6b --json "$JSON" 2>&1 | grep -v -E '^(W|I)[0-9]{4} ' | tee -a "$LOG"
+}
+step 110 decode.py --repeats 1
+step 70  prefill.py --batch 4 --seq 2048 --repeats 2
+step 50  prefill.py --batch 4 --seq 2048 --repeats 2 --attention cudnn --no-hf
+step 110 train.py --batch 4 --seq 2048 --checkpointing --repeats 2
+step 60  train.py --batch 4 --seq 2048 --checkpointing --remat-policy dots --attention cudnn --no-hf --repeats 2
+step 70  lora.py --batch 1 --seq 2048 --checkpointing --repeats 2
+step 90  compile.py
+echo "## $(date +%T) done" | tee -a "$LOG"
