@@ -7,6 +7,9 @@ from __future__ import annotations
 import argparse, json, os, platform, statistics, subprocess, sys, tempfile, time
 from pathlib import Path
 
+# JAX and PyTorch share the accelerator in every benchmark: JAX must not grab 75 % of its memory up front
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 PRESETS = {   # model shapes: tiny for CI smoke runs, small for CPU ratios, gptj-6b on an accelerator
     "tiny": dict(n_layer=2, d_model=128, n_head=4, rotary_dim=16, n_vocab=1024, n_ctx=512),
     "small": dict(n_layer=6, d_model=512, n_head=8, rotary_dim=32, n_vocab=50400, n_ctx=1024),

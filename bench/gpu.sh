@@ -12,19 +12,20 @@ if ls ../.whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 OUT="${OUT:-/tmp/meshtx-bench}"; mkdir -p "$OUT"
+PRESET="${PRESET:-gptj-6b}" SEQ="${SEQ:-2048}"   # PRESET=tiny SEQ=64 checks the script itself on a CPU
 LOG="$OUT/gpu.log" JSON="$OUT/gpu.jsonl"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$LOG"
 python3 -c 'import json, common; print(json.dumps(common.environment()))' 2>&1 | tee -a "$LOG"
 step() {  # step SECONDS SCRIPT ARGS...
   local limit=$1; shift
   echo "## $(date +%T) $* (limit ${limit}s)" | tee -a "$LOG"
-  timeout "$limit" python3 "$@" --preset gptj-6b --json "$JSON" 2>&1 | grep -v -E '^(W|I)[0-9]{4} ' | tee -a "$LOG"
+  timeout "$limit" python3 "$@" --preset "$PRESET" --json "$JSON" 2>&1 | grep -v -E '^(W|I)[0-9]{4} ' | tee -a "$LOG"
 }
 step 110 decode.py --repeats 1
-step 70  prefill.py --batch 4 --seq 2048 --repeats 2
-step 50  prefill.py --batch 4 --seq 2048 --repeats 2 --attention cudnn --no-hf
-step 110 train.py --batch 4 --seq 2048 --checkpointing --repeats 2
-step 60  train.py --batch 4 --seq 2048 --checkpointing --remat-policy dots --attention cudnn --no-hf --repeats 2
-step 70  lora.py --batch 1 --seq 2048 --checkpointing --repeats 2
+step 70  prefill.py --batch 4 --seq "$SEQ" --repeats 2
+step 50  prefill.py --batch 4 --seq "$SEQ" --repeats 2 --attention cudnn --no-hf
+step 110 train.py --batch 4 --seq "$SEQ" --checkpointing --repeats 2
+step 60  train.py --batch 4 --seq "$SEQ" --checkpointing --remat-policy dots --attention cudnn --no-hf --repeats 2
+step 70  lora.py --batch 1 --seq "$SEQ" --checkpointing --repeats 2
 step 90  compile.py
 echo "## $(date +%T) done" | tee -a "$LOG"

@@ -37,18 +37,9 @@ def main(argv=None, lora: int = 0):
     if args.checkpointing: cfg = cfg.replace(remat=True)
     lm, hf = models(cfg, dtype, hf=not args.no_hf)
     tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, (1, args.batch, args.seq + 1))
-    # the same recipe as the PyTorch side: weights and Adam moments in the benchmark's dtype
-    kw = dict(lora=lora) if lora else dict(param_dtype=dtype, mu_dtype=dtype)
-    t_ = Trainer(lm, itertools.repeat(tokens), lr=1e-4, progress=False, **kw)
-    t = timed(t_.step, args.repeats)
-    peak = None
-    import gc, jax
-    stats = jax.devices()[0].memory_stats() or {}
-    if "peak_bytes_in_use" in stats: peak = stats["peak_bytes_in_use"] / 2**30
-    del t_, lm; gc.collect()   # free meshtx's training state before PyTorch allocates its own
     t_hf = peak_hf = None
-    if hf is not None:
-        import torch
+    if hf is not None:   # PyTorch first, then its memory goes back to the driver before meshtx trains
+        import gc, torch
         if lora:
             from peft import LoraConfig, get_peft_model
             hf = get_peft_model(hf, LoraConfig(r=lora, lora_alpha=2 * lora, lora_dropout=0.0,
@@ -58,6 +49,15 @@ def main(argv=None, lora: int = 0):
         if torch.cuda.is_available(): torch.cuda.reset_peak_memory_stats()
         t_hf = timed(hf_step(hf, ids, checkpointing=args.checkpointing), args.repeats)
         if torch.cuda.is_available(): peak_hf = torch.cuda.max_memory_allocated() / 2**30
+        del hf, ids; gc.collect()
+        if torch.cuda.is_available(): torch.cuda.empty_cache()
+    # the same recipe as the PyTorch side: weights and Adam moments in the benchmark's dtype
+    kw = dict(lora=lora) if lora else dict(param_dtype=dtype, mu_dtype=dtype)
+    t_ = Trainer(lm, itertools.repeat(tokens), lr=1e-4, progress=False, **kw)
+    t = timed(t_.step, args.repeats)
+    import jax
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats["peak_bytes_in_use"] / 2**30 if "peak_bytes_in_use" in stats else None
     n = args.batch * args.seq
     lim = limits()
     rows = [dict(figure=f"{'LoRA' if lora else 'full'} train tokens/s", meshtx=n / t, hf=n / t_hf if t_hf else None,
