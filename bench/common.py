@@ -106,6 +106,33 @@ def timed(fn, repeats: int = 3, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def top_ops(fn, n: int = 15) -> list[tuple[str, float, int]]:
+    """Run `fn` (once to warm up, then) once under `jax.profiler` and return its `n` costliest ops as (name, total ms, count).
+    On a GPU or TPU only the device's lanes count (kernels); on a CPU, XLA's thunks. For finding what limits a run."""
+    import collections, glob, gzip, jax
+    fn()   # compiled and warm before the trace
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d, create_perfetto_trace=True)
+        try: fn()
+        finally: jax.profiler.stop_trace()
+        events = json.load(gzip.open(sorted(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True))[-1]))["traceEvents"]
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, name in names.items() if "/device:" in name}
+    host_only = ("$", "ThunkExecutor", "np.asarray", "PjitFunction", "SlinkyThreadPool")
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") != "X" or not e.get("dur") or (device and e["pid"] not in device) or e["name"].startswith(host_only):
+            continue
+        total[e["name"]] += e["dur"] / 1e3
+        count[e["name"]] += 1
+    return [(name, ms, count[name]) for name, ms in total.most_common(n)]
+
+
+def print_top_ops(title: str, ops: list[tuple[str, float, int]]):
+    print(f"\n{title}\n| op | total ms | count |\n|---|---|---|")
+    for name, ms, k in ops: print(f"| `{name[:90]}` | {ms:,.1f} | {k} |")
+
+
 def sync_torch():
     import torch
     if torch.cuda.is_available(): torch.cuda.synchronize()

@@ -10,6 +10,7 @@ def main(argv=None):
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--profile", action="store_true", help="also trace one batch-1 generation and print its costliest ops")
     args = p.parse_args(argv)
     import meshtx.sampling  # noqa: F401
     cfg, dtype = config(args), default_dtype(args)
@@ -39,6 +40,11 @@ def main(argv=None):
                              unit="ms", lower_is_better=True))
     report("decode", rows, args, f"(prompt {args.prompt} tokens, {args.new} new tokens, greedy; "
                                   f"limit = HBM bandwidth / {weight_bytes / 1e9:.2f} GB of weights per token)")
+    if args.profile:
+        from common import top_ops, print_top_ops
+        prompt = np.random.default_rng(1).integers(0, cfg.n_vocab, (1, args.prompt)).tolist()
+        ops = top_ops(lambda: lm.generate(prompt, max_new_tokens=args.new, temperature=0, eos_token_id=None))
+        print_top_ops(f"Costliest ops of one batch-1 generation ({args.new} new tokens, traced):", ops)
     return rows
 
 

@@ -21,7 +21,7 @@ step() {  # step SECONDS SCRIPT ARGS...
   echo "## $(date +%T) $* (limit ${limit}s)" | tee -a "$LOG"
   timeout "$limit" python3 "$@" --preset "$PRESET" --json "$JSON" 2>&1 | grep -v -E '^(W|I)[0-9]{4} ' | tee -a "$LOG"
 }
-step 110 decode.py --repeats 1
+step 110 decode.py --repeats 1 --profile
 step 70  prefill.py --batch 4 --seq "$SEQ" --repeats 2
 step 50  prefill.py --batch 4 --seq "$SEQ" --repeats 2 --attention cudnn --no-hf
 step 110 train.py --batch 4 --seq "$SEQ" --checkpointing --repeats 2

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).parent.parent / "bench"
-ARGS = {"decode": ["--prompt", "8", "--new", "8", "--batch", "2"], "prefill": ["--seq", "32", "--batch", "2"],
+ARGS = {"decode": ["--prompt", "8", "--new", "8", "--batch", "2", "--profile"], "prefill": ["--seq", "32", "--batch", "2"],
         "train": ["--seq", "32", "--batch", "2"], "lora": ["--seq", "32", "--batch", "2"], "compile": [], "memory": ["--seq", "32"]}
 
 
@@ -18,5 +18,8 @@ def test_benchmark_prints_its_table(name):
     table = [l for l in r.stdout.splitlines() if l.startswith("| ")]
     header, rows = table[0], table[1:]
     assert header.startswith("| figure | meshtx | HF transformers | ratio |") and rows, r.stdout
+    if name == "decode":
+        assert "Costliest ops of one batch-1 generation" in r.stdout and "| op | total ms | count |" in r.stdout, r.stdout
+        assert any(l.startswith("| `") for l in r.stdout.splitlines()), r.stdout   # at least one op was traced
     if name != "compile":
         assert all("—" not in l.split("|")[3] for l in rows if "tok/s" in l), r.stdout   # HF measured too
