@@ -106,14 +106,17 @@ def timed(fn, repeats: int = 3, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def top_ops(fn, n: int = 15) -> list[tuple[str, float, int]]:
-    """Run `fn` (once to warm up, then) once under `jax.profiler` and return its `n` costliest ops as (name, total ms, count).
-    On a GPU or TPU only the device's lanes count (kernels); on a CPU, XLA's thunks. For finding what limits a run."""
+def top_ops(fn, n: int = 15) -> dict:
+    """Run `fn` (once to warm up, then) once under `jax.profiler`: its `n` costliest ops as (name, total ms, count),
+    the wall-clock ms of the traced call and, on a GPU or TPU, the ms the device was busy (the sum of its kernels).
+    On a GPU or TPU only the device's lanes count (kernels); on a CPU, XLA's thunks, whose spans overlap (no busy
+    figure). Busy far below wall means the device waits: on the host, launches or synchronisations."""
     import collections, glob, gzip, jax
     fn()   # compiled and warm before the trace
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d, create_perfetto_trace=True)
-        try: fn()
+        try:
+            t0 = time.perf_counter(); fn(); wall = 1e3 * (time.perf_counter() - t0)
         finally: jax.profiler.stop_trace()
         events = json.load(gzip.open(sorted(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True))[-1]))["traceEvents"]
     names = {e["pid"]: e.get("args", {}).get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -125,12 +128,16 @@ def top_ops(fn, n: int = 15) -> list[tuple[str, float, int]]:
             continue
         total[e["name"]] += e["dur"] / 1e3
         count[e["name"]] += 1
-    return [(name, ms, count[name]) for name, ms in total.most_common(n)]
+    return dict(ops=[(name, ms, count[name]) for name, ms in total.most_common(n)], wall_ms=wall,
+                busy_ms=sum(total.values()) if device else None)
 
 
-def print_top_ops(title: str, ops: list[tuple[str, float, int]]):
+def print_top_ops(title: str, trace: dict):
     print(f"\n{title}\n| op | total ms | count |\n|---|---|---|")
-    for name, ms, k in ops: print(f"| `{name[:90]}` | {ms:,.1f} | {k} |")
+    for name, ms, k in trace["ops"]: print(f"| `{name[:90]}` | {ms:,.1f} | {k} |")
+    busy = trace["busy_ms"]
+    print(f"(traced call: {trace['wall_ms']:,.1f} ms wall" +
+          (f"; device busy {busy:,.1f} ms = {busy / trace['wall_ms']:.0%})" if busy is not None else ")"))
 
 
 def sync_torch():

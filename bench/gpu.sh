@@ -3,7 +3,7 @@
 # meshtx against HF transformers in the same process, tables to $OUT/gpu.log and rows to $OUT/gpu.jsonl.
 #   here:   bash bench/fetch_wheels.sh
 #   there:  run(command="bash bench/gpu.sh", carry=[".whl"], timeout_s=600)
-# Each step has its own time limit so one slow step cannot eat the others; the whole script stays under 560 s.
+# Each step has its own time limit so one slow step cannot eat the others; the whole script stays under 590 s.
 set -uo pipefail
 cd "$(dirname "$0")"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/..:${PYTHONPATH:-}"
@@ -21,7 +21,7 @@ step() {  # step SECONDS SCRIPT ARGS...
   echo "## $(date +%T) $* (limit ${limit}s)" | tee -a "$LOG"
   timeout "$limit" python3 "$@" --preset "$PRESET" --json "$JSON" 2>&1 | grep -v -E '^(W|I)[0-9]{4} ' | tee -a "$LOG"
 }
-step 110 decode.py --repeats 1 --profile
+step 140 decode.py --repeats 1 --profile --compare-cache-reads
 step 70  prefill.py --batch 4 --seq "$SEQ" --repeats 2
 step 50  prefill.py --batch 4 --seq "$SEQ" --repeats 2 --attention cudnn --no-hf
 step 110 train.py --batch 4 --seq "$SEQ" --checkpointing --repeats 2

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).parent.parent / "bench"
-ARGS = {"decode": ["--prompt", "8", "--new", "8", "--batch", "2", "--profile"], "prefill": ["--seq", "32", "--batch", "2"],
+ARGS = {"decode": ["--prompt", "8", "--new", "8", "--batch", "2", "--profile", "--compare-cache-reads"], "prefill": ["--seq", "32", "--batch", "2"],
         "train": ["--seq", "32", "--batch", "2"], "lora": ["--seq", "32", "--batch", "2"], "compile": [], "memory": ["--seq", "32"]}
 
 
@@ -21,5 +21,9 @@ def test_benchmark_prints_its_table(name):
     if name == "decode":
         assert "Costliest ops of one batch-1 generation" in r.stdout and "| op | total ms | count |" in r.stdout, r.stdout
         assert any(l.startswith("| `") for l in r.stdout.splitlines()), r.stdout   # at least one op was traced
+        assert "(traced call: " in r.stdout, r.stdout
+        # the other way of reading the cache ("all": on a CPU, "auto" reads the filled chunks), meshtx only
+        assert sum("cache_read='all'" in l for l in rows) == 2, r.stdout
+        rows = [l for l in rows if "cache_read=" not in l]
     if name != "compile":
         assert all("—" not in l.split("|")[3] for l in rows if "tok/s" in l), r.stdout   # HF measured too

@@ -30,11 +30,14 @@ def hf_greedy(model, batch, new, eos):
 
 
 @pytest.mark.parity
+@pytest.mark.parametrize("read", ["chunks", "all"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_greedy_equals_hf_generate(name, hf_checkpoint):
+def test_greedy_equals_hf_generate(name, read, hf_checkpoint):
+    "Both ways of reading the KV cache (the filled chunks: CPU and TPU; all slots: GPU) decode as HF does."
     cfg = ModelConfig(**CONFIGS[name])
     path, model = hf_checkpoint(cfg)
-    lm = LM.from_hf(path, dtype="float32", progress=False)
+    lm = LM.from_hf(path, dtype="float32", progress=False, cache_read=read)
+    assert lm.config.cache_read == read
     batch = prompts(cfg.n_vocab, [5, 17, 1, 30])
     eos = model.config.eos_token_id
     ref = hf_greedy(model, batch, 64, eos)
@@ -122,9 +125,10 @@ def test_compiles_do_not_grow_with_prompt_length():
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("shape", [(1, 1, 8), (2, 1, 4)], ids=["mp8", "dp2-mp4"])
-def test_mesh_output_equals_single_device(shape):
-    cfg = ModelConfig(n_layer=2, d_model=64, n_head=8, rotary_dim=4, n_vocab=512, n_ctx=128)
+@pytest.mark.parametrize("shape,read", [((1, 1, 8), "chunks"), ((2, 1, 4), "chunks"), ((2, 1, 4), "all")],
+                         ids=["mp8", "dp2-mp4", "dp2-mp4-all-slots"])
+def test_mesh_output_equals_single_device(shape, read):
+    cfg = ModelConfig(n_layer=2, d_model=64, n_head=8, rotary_dim=4, n_vocab=512, n_ctx=128, cache_read=read)
     ref = LM.init(cfg, seed=1)
     ref.params = jax.tree.map(lambda x: x * 8, ref.params)     # logits O(1): decisive argmaxes
     batch = prompts(cfg.n_vocab, [3, 9, 4, 12])
