@@ -31,7 +31,7 @@ step 70  lora.py --batch 1 --seq "$SEQ" --checkpointing --repeats 2
 step 90  compile.py
 # If the decode profile shows XLA copying each layer's weights out of the stacked parameters (dynamic-slice fusions
 # among its costliest kernels), batch-1 decode reads every weight three times. Time it once more with XLA's
-# dynamic-slice fusion, which lets the matmuls read the slices in place (XLA turned it on by default only in 2026).
+# dynamic-slice fusion, which lets the matmuls read the slices in place (off by default in XLA until at least mid-2026).
 if sed -n '/decode.py/,/prefill.py/p' "$LOG" | grep -qi 'dynamic.slice'; then
   echo "(the decode profile shows dynamic-slice kernels: again with --xla_gpu_enable_dynamic_slice_fusion=true)" | tee -a "$LOG"
   ( export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true"; step 60 decode.py --repeats 1 --no-hf --batch 1 )
