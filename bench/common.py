@@ -49,6 +49,15 @@ def limits():
     return next((v for k, v in CHIP_LIMITS.items() if kind.startswith(k)), None)
 
 
+def read_bandwidth(nbytes: int) -> float:
+    """Bytes per second this device reads, measured by summing an `nbytes` array: what batch-1 decoding, which reads
+    every weight once per token, can at best reach here (next to the data sheet's figure in `CHIP_LIMITS`)."""
+    import jax, jax.numpy as jnp
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    total = jax.jit(lambda x: x.sum())
+    return x.nbytes / timed(lambda: total(x).block_until_ready(), repeats=5, warmup=2)
+
+
 def config(args):
     from meshtx import ModelConfig
     return ModelConfig(**PRESETS[args.preset], attention=args.attention, remat_policy=args.remat_policy)

@@ -2,7 +2,7 @@
 meshtx `lm.generate` against HF `model.generate(do_sample=False)`; tokens/s counts generated tokens only.
 On an accelerator, batch-1 decode is bounded by reading every weight once per token: limit = bandwidth / weight bytes."""
 import numpy as np
-from common import parser, config, models, timed, report, default_dtype, limits, sync_torch, torch_device
+from common import parser, config, models, timed, report, default_dtype, limits, sync_torch, torch_device, read_bandwidth
 
 
 def main(argv=None):
@@ -47,8 +47,13 @@ def main(argv=None):
         if B == 1:
             rows.append(dict(figure="ms per token, batch 1", meshtx=1000 * t / args.new, hf=1000 * t_hf / args.new if t_hf else None,
                              unit="ms", lower_is_better=True))
+    bw = read_bandwidth(2**32 if lim else 2**28)   # 4 GiB on an accelerator, 256 MiB on a CPU
+    rows.append(dict(figure="device read bandwidth, measured (a sum over an array)", meshtx=bw / 1e9, unit="GB/s"))
+    rows.append(dict(figure="batch-1 decode, share of the limit that bandwidth sets", unit="%",
+                     meshtx=100 * rows[0]["meshtx"] / (bw / weight_bytes)))
     report("decode", rows, args, f"(prompt {args.prompt} tokens, {args.new} new tokens, greedy; meshtx cache_read={read!r}; "
-                                  f"limit = HBM bandwidth / {weight_bytes / 1e9:.2f} GB of weights per token)")
+                                  f"limit = bandwidth / {weight_bytes / 1e9:.2f} GB of weights per token: the data sheet's "
+                                  f"bandwidth in the last column, the measured read bandwidth in the last row)")
     if args.profile:
         from common import top_ops, print_top_ops
         prompt = np.random.default_rng(1).integers(0, cfg.n_vocab, (1, args.prompt)).tolist()
