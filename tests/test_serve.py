@@ -124,7 +124,14 @@ def test_the_openai_client_works_plain_and_streamed(server, demo):
                                             stream=True))
     assert len(pieces) > 1
     assert "".join(p.choices[0].text for p in pieces) == c.choices[0].text
-    assert pieces[-1].choices[0].finish_reason in ("stop", "length")
+    assert pieces[-1].choices[0].finish_reason == c.choices[0].finish_reason   # streamed or not, the same reason
+    # a stop string inside the text: both say "stop", and both cut the text there
+    stop = c.choices[0].text[len(c.choices[0].text) // 2:][:3]
+    s = client.completions.create(model="demo", prompt=PROMPTS[3], max_tokens=LENGTHS[3], temperature=0, stop=stop)
+    pieces = list(client.completions.create(model="demo", prompt=PROMPTS[3], max_tokens=LENGTHS[3], temperature=0,
+                                            stop=stop, stream=True))
+    assert s.choices[0].finish_reason == pieces[-1].choices[0].finish_reason == "stop"
+    assert "".join(p.choices[0].text for p in pieces) == s.choices[0].text == c.choices[0].text[:c.choices[0].text.find(stop)]
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.completions.create(model="demo", prompt="x", max_tokens=4, top_p=5)
     # on the wire: server-sent events ending with [DONE]
