@@ -95,6 +95,16 @@ def test_finetune_widget_builds_a_trainer_from_files(tmp_path):
     assert w.controller.wait(120)
     assert w.controller.steps_done == 3 and "done: 3 steps" in w.status.value
     assert "sample" in w.sample.value and w.controller.last_sample and "val" in w.status.value
+    # a new build is a new run from the base weights: rank 0 trains them all, another rank gets fresh adapters
+    w.lora_rank.value = 0
+    w.build_button.click()
+    assert w.error.value == "" and lm.lora is None and not w.controller.trainer.frozen
+    w.lora_rank.value = 2
+    w.build_button.click()
+    assert w.error.value == "" and lm.lora.rank == 2
+    w.lr.value = float("nan")                                    # refused in words, before it can write NaN weights
+    w.build_button.click()
+    assert "lr=nan" in w.error.value
 
 
 def test_uploads_on_both_ipywidgets_versions():
