@@ -137,3 +137,48 @@ def test_mesh_output_equals_single_device(shape, read):
     lm = LM(cfg, ref.params).shard(make_mesh(*shape, config=cfg))
     assert lm.generate(batch, max_new_tokens=24, temperature=0, eos_token_id=None).tokens == want_g.tokens
     assert lm.generate(batch, max_new_tokens=24, temperature=0.8, top_p=0.9, seed=[1, 2, 3, 4], eos_token_id=None).tokens == want_s.tokens
+
+
+def _hf_default_greedy(path, batch, new):
+    "HF's `generate` as a user calls it on a saved checkpoint: its own eos, bos and pad from config.json."
+    import torch, transformers
+    model = transformers.GPTJForCausalLM.from_pretrained(path).eval()
+    eos = model.generation_config.eos_token_id
+    P = max(map(len, batch))
+    ids = torch.zeros((len(batch), P), dtype=torch.long); mask = torch.zeros((len(batch), P), dtype=torch.long)
+    for i, p in enumerate(batch):
+        ids[i, P - len(p):] = torch.tensor(p); mask[i, P - len(p):] = 1
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)[:, P:].tolist()
+    return [row[:row.index(eos) + 1] if eos in row else row for row in out]
+
+
+@pytest.mark.parity
+def test_checkpoints_own_end_token(tmp_path):
+    """A checkpoint whose config.json names its own eos (one the model emits, or one outside its vocabulary, as
+    GPTJConfig's default 50256 is for a small vocabulary): generation stops where HF's does, and save_hf keeps it."""
+    import json
+    from conftest import make_hf_model
+    cfg = ModelConfig(**CONFIGS["rotary<d_head"])
+    batch = prompts(cfg.n_vocab, [5, 17, 1, 30])
+    model = make_hf_model(cfg)
+    for k in ("eos_token_id", "bos_token_id"): setattr(model.config, k, 50256); setattr(model.generation_config, k, 50256)
+    model.save_pretrained(tmp_path / "outside")
+    free = _hf_default_greedy(tmp_path / "outside", batch, 24)
+    assert all(len(r) == 24 for r in free)                # 50256 cannot be emitted: HF never stops early
+    lm = LM.from_hf(tmp_path / "outside", dtype="float32", progress=False)
+    assert lm.eos_token_id == 50256 and lm.generate(batch, max_new_tokens=24, temperature=0).tokens == free
+
+    at, eos = next((i, t) for i, t in enumerate(free[0]) if i >= 3 and t not in free[0][:i])   # first emitted late
+    for k, v in dict(eos_token_id=eos, bos_token_id=5, pad_token_id=0).items():
+        setattr(model.config, k, v); setattr(model.generation_config, k, v)
+    model.save_pretrained(tmp_path / "own")
+    ref = _hf_default_greedy(tmp_path / "own", batch, 24)
+    assert len(ref[0]) == at + 1 and ref[0][-1] == eos
+    lm = LM.from_hf(tmp_path / "own", dtype="float32", progress=False)
+    assert lm.generate(batch, max_new_tokens=24, temperature=0).tokens == ref
+    lm.save_hf(tmp_path / "again", progress=False)        # the round trip keeps the checkpoint's tokens
+    saved = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert (saved["eos_token_id"], saved["bos_token_id"], saved["pad_token_id"]) == (eos, 5, 0)
+    assert saved["architectures"] == ["GPTJForCausalLM"]
+    assert _hf_default_greedy(tmp_path / "again", batch, 24) == ref
