@@ -1,0 +1,104 @@
+"""Saved models on gs:// (a real GCS emulator on 127.0.0.1): save, load, adapters, fine-tune output, configs.
+
+Every path that takes a model directory takes a gs:// URL too, goes to the bucket (not to a local folder called
+"gs:"), refuses to overwrite a save file by file, and names a missing bucket before doing any work."""
+import json, os, shutil, subprocess, sys, uuid
+from pathlib import Path
+import numpy as np
+import numpy.testing as npt
+import pytest
+from meshtx import LM, ModelConfig
+from meshtx.data import filesystem
+from meshtx.tokenizer import ByteTokenizer
+
+TINY = dict(n_layer=2, d_model=64, n_head=4, rotary_dim=8, n_vocab=257, n_ctx=64)
+
+
+@pytest.fixture
+def where(gcs_bucket, tmp_path, monkeypatch):
+    "A fresh folder in the bucket; the working directory and the download cache are in tmp_path."
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MESHTX_REMOTE_CACHE", str(tmp_path / "cache"))
+    return f"{gcs_bucket}/t-{uuid.uuid4().hex[:8]}"
+
+
+def listing(url):
+    fs, root = filesystem(url)
+    fs.invalidate_cache()
+    return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root)) if fs.exists(root) else []
+
+
+def test_save_and_load_both_formats(where, tmp_path):
+    lm = LM.init(ModelConfig(**TINY), seed=3, tokenizer=ByteTokenizer())
+    want = np.asarray(lm.logits("hello"))
+    lm.save(f"{where}/mx")
+    lm.save_hf(f"{where}/hf", progress=False)
+    assert not Path("gs:").exists()                                  # nothing went to a local folder named "gs:"
+    assert "meshtx_config.json" in listing(f"{where}/mx") and "config.json" in listing(f"{where}/hf")
+    for url in (f"{where}/mx", f"{where}/hf", f"{where}/hf/"):
+        back = LM.load(url, dtype="float32", progress=False)
+        assert isinstance(back.tokenizer, ByteTokenizer)                # the tokenizer travelled with the weights
+        npt.assert_allclose(np.asarray(back.logits("hello")), want, atol=1e-6)
+    npt.assert_allclose(np.asarray(LM.from_hf(f"{where}/hf", dtype="float32", progress=False).logits("hello")), want, atol=1e-6)
+    # a second save to the same URL is refused, and the first one still loads
+    with pytest.raises(FileExistsError, match="already holds a saved model"):
+        LM.init(ModelConfig(**TINY), seed=4, tokenizer=ByteTokenizer()).save_hf(f"{where}/hf", progress=False)
+    npt.assert_allclose(np.asarray(LM.load(f"{where}/hf", dtype="float32", progress=False).logits("hello")), want, atol=1e-6)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LM.load(f"{where}/nothing-here", progress=False)
+    from meshtx.data import resolve_tokenizer
+    assert isinstance(resolve_tokenizer(f"{where}/hf"), ByteTokenizer)   # a run config's "tokenizer": "gs://..."
+
+
+def test_adapters(where):
+    lm = LM.init(ModelConfig(**TINY), seed=3, tokenizer=ByteTokenizer())
+    lm.add_lora(4)
+    import jax
+    lm.params = jax.tree.map(lambda x: x + 0.01, lm.params)          # adapters that change the output
+    want = np.asarray(lm.logits("hello"))
+    lm.save_adapters(f"{where}/ad")
+    assert listing(f"{where}/ad") == ["lora.json", "lora.safetensors"]
+    base = LM.init(ModelConfig(**TINY), seed=3, tokenizer=ByteTokenizer())
+    base.params = jax.tree.map(lambda x: x + 0.01, base.params)
+    npt.assert_allclose(np.asarray(base.load_adapters(f"{where}/ad").logits("hello")), want, atol=1e-5)
+    with pytest.raises(FileExistsError): lm.save_adapters(f"{where}/ad")
+
+
+def test_missing_bucket_is_named_before_work(gcs_bucket, tmp_path):
+    from meshtx.checkpoint import Checkpointer
+    from meshtx.data import prepare_data
+    lm = LM.init(ModelConfig(**TINY), tokenizer=ByteTokenizer())
+    for save in (lambda u: lm.save(u), lambda u: lm.save_hf(u, progress=False),
+                 lambda u: Checkpointer(u).save(1, {"x": np.ones(3)})):
+        with pytest.raises(FileNotFoundError, match="bucket gs://no-such-bucket-x does not exist"):
+            save("gs://no-such-bucket-x/m")
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    with pytest.raises(FileNotFoundError, match="bucket gs://no-such-bucket-x does not exist"):
+        prepare_data(tmp_path / "a.txt", "gs://no-such-bucket-x/ds", ByteTokenizer(), seq=8, progress=False)
+
+
+def test_finetune_into_the_bucket(where, tmp_path):
+    "`meshtx finetune --model gs://... --out gs://...`: every output lands in the bucket."
+    lm = LM.init(ModelConfig(**TINY), tokenizer=ByteTokenizer())
+    lm.save(f"{where}/base")
+    (tmp_path / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 100)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    exe = shutil.which("meshtx") or str(Path(sys.executable).parent / "meshtx")
+    r = subprocess.run([exe, "finetune", "--model", f"{where}/base", "--data", str(tmp_path / "a.txt"),
+                        "--out", f"{where}/ft", "--lora", "4", "--steps", "2", "--batch", "4", "--seq", "32", "-q"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"{where}/ft/model" in r.stdout and not (tmp_path / "gs:").exists()
+    assert {"adapters", "checkpoints", "data", "loss.png", "model"} <= set(listing(f"{where}/ft"))
+    assert LM.load(f"{where}/ft/model", progress=False).config.n_layer == 2
+
+
+def test_configs_from_the_bucket(where):
+    from meshtx.runs import load_run_config
+    fs, root = filesystem(where)
+    fs.pipe_file(f"{root}/run.json", json.dumps({"model_dir": f"{where}/run", "train_set": "x", "total_steps": 3,
+                                                 "layers": 2, "d_model": 64, "n_heads": 4, "n_vocab": 257}).encode())
+    assert load_run_config(f"{where}/run.json")["total_steps"] == 3
+    fs.pipe_file(f"{root}/mtj.json", json.dumps({"layers": 2, "d_model": 64, "n_heads": 4, "n_vocab": 257, "seq": 64,
+                                                 "pe_rotary_dims": 8}).encode())
+    assert ModelConfig.from_mtj(f"{where}/mtj.json").n_layer == 2
