@@ -102,3 +102,12 @@ def test_configs_from_the_bucket(where):
     fs.pipe_file(f"{root}/mtj.json", json.dumps({"layers": 2, "d_model": 64, "n_heads": 4, "n_vocab": 257, "seq": 64,
                                                  "pe_rotary_dims": 8}).encode())
     assert ModelConfig.from_mtj(f"{where}/mtj.json").n_layer == 2
+
+
+def test_cli_convert_between_buckets(where):
+    from meshtx.cli import main
+    lm = LM.init(ModelConfig(**TINY), seed=5, tokenizer=ByteTokenizer())
+    lm.save(f"{where}/mx")
+    assert main(["convert", f"{where}/mx", f"{where}/hf", "-q"]) == 0          # meshtx -> Hugging Face, bucket to bucket
+    assert main(["convert", f"{where}/hf", f"{where}/mx2", "-q"]) == 0         # and back
+    npt.assert_allclose(np.asarray(LM.load(f"{where}/mx2", progress=False).logits("hi")), np.asarray(lm.logits("hi")), atol=1e-6)
