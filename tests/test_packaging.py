@@ -15,6 +15,7 @@ def test_wheel_builds_installs_and_runs(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "meshtx/lm.py" in names and "meshtx/model.py" in names
     assert not any(n.startswith(("nbs/", "tests/")) for n in names)
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names   # the Apache-2.0 text travels
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "meshtx = meshtx.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
 
@@ -35,6 +36,8 @@ def test_wheel_builds_installs_and_runs(tmp_path):
     where, torch_loaded, n = r.stdout.strip().splitlines()[-3:]
     assert Path(where).is_relative_to(venv), where
     assert torch_loaded == "False" and n == "3"            # torch stays optional
+    r = subprocess.run([exe, "--version"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("meshtx "), r.stdout + r.stderr
     r = subprocess.run([exe, "info"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert r.returncode == 0 and "backend" in r.stdout, r.stderr
     r = subprocess.run([exe, "demo", "--steps", "10", "--out", tmp_path / "demo", "-q"], capture_output=True,

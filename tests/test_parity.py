@@ -6,7 +6,7 @@ import pytest
 from conftest import hf_logits
 from meshtx import LM, ModelConfig, KVCache, gptj
 
-pytestmark = pytest.mark.parity
+pytestmark = [pytest.mark.parity, pytest.mark.transformers4]
 
 CONFIGS = {
     "rotary<d_head": dict(n_layer=2, d_model=64, n_head=4, rotary_dim=8, n_vocab=512),
@@ -22,7 +22,7 @@ def test_logits_match_hf(name, hf_checkpoint):
     cfg = ModelConfig(**CONFIGS[name], n_ctx=128)
     path, model = hf_checkpoint(cfg)
     lm = LM.from_hf(path, dtype="float32", progress=False)
-    assert lm.config == cfg
+    assert lm.config == cfg.replace(eos_token_id=cfg.end_of_text, bos_token_id=cfg.end_of_text)   # + the checkpoint's ids
     tokens = np.random.default_rng(1).integers(0, cfg.n_vocab, (3, 37))
     ref, got = hf_logits(model, tokens), np.asarray(lm.logits(tokens))
     assert np.abs(ref).max() > 1.0, "logits too small for a meaningful comparison"
@@ -92,3 +92,12 @@ def test_save_hf_round_trip(name, tmp_path):
     assert np.abs(ref).max() > 1.0
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
     np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_gpt2_tokenizer_from_the_shipped_files():
+    "GPT-2's tokenizer, built offline, encodes and decodes as GPT-2 does under transformers 4 and 5."
+    from meshtx.tokenizer import gpt2_tokenizer
+    tok = gpt2_tokenizer()
+    assert tok("Hello world").input_ids == [15496, 995] and tok.eos_token_id == 50256
+    text = "Hello , world . It 's ok\n\n"
+    assert tok.decode(tok(text).input_ids) == text          # decoding gives the text back, spaces and all

@@ -30,6 +30,7 @@ def hf_greedy(model, batch, new, eos):
 
 
 @pytest.mark.parity
+@pytest.mark.transformers4
 @pytest.mark.parametrize("read", ["chunks", "all"])
 @pytest.mark.parametrize("name", CONFIGS)
 def test_greedy_equals_hf_generate(name, read, hf_checkpoint):
@@ -154,6 +155,7 @@ def _hf_default_greedy(path, batch, new):
 
 
 @pytest.mark.parity
+@pytest.mark.transformers4
 def test_checkpoints_own_end_token(tmp_path):
     """A checkpoint whose config.json names its own eos (one the model emits, or one outside its vocabulary, as
     GPTJConfig's default 50256 is for a small vocabulary): generation stops where HF's does, and save_hf keeps it."""

@@ -3,8 +3,9 @@
 #   1. the notebooks and the package agree (nbdev-export, nbdev-clean and the README change nothing)
 #   2. the notebooks' lessons (nbdev-test)
 #   3. the system tests (pytest tests/)
-#   4. the widget tests again under ipywidgets 7.7.1 (Colab's), then the parity, sharding and multi-host
-#      tests again under JAX 0.7.2, the version on Colab's TPU image
+#   4. the widget tests again under ipywidgets 7.7.1 (Colab's), the parity and tokenizer tests under
+#      transformers 4.45 (the oldest allowed), then the parity, sharding and multi-host tests again under
+#      JAX 0.7.2, the version on Colab's TPU image
 #      (skip: MESHTX_SKIP_COMPAT=1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +41,14 @@ PYTHONPATH="$ipyw" python -c 'import ipywidgets; assert ipywidgets.__version__ =
 PYTHONPATH="$ipyw" python -m pytest tests -q -m widgets
 
 if [ "${MESHTX_SKIP_COMPAT:-0}" != 1 ]; then
+  echo "== parity and tokenizer tests under transformers 4.45 (the oldest pyproject.toml allows)"
+  tf4="${MESHTX_TF445_DIR:-$HOME/.cache/meshtx/tf445}"
+  if [ ! -f "$tf4/transformers/__init__.py" ] || ! grep -q '__version__ = "4.45.0"' "$tf4/transformers/__init__.py"; then
+    rm -rf "$tf4"; python -m pip install -q --target "$tf4" --no-deps transformers==4.45.0 tokenizers==0.20.3 huggingface_hub==0.36.0
+  fi
+  PYTHONPATH="$tf4" python -c 'import transformers; assert transformers.__version__ == "4.45.0"; print("transformers", transformers.__version__)'
+  PYTHONPATH="$tf4" python -m pytest tests/test_parity.py tests/test_sampling.py -q -m transformers4   # (lm-eval needs a newer hub)
+
   echo "== parity, sharding and multi-host tests under jax 0.7.2"
   overlay="${MESHTX_JAX072_DIR:-$HOME/.cache/meshtx/jax072}"
   if [ ! -f "$overlay/jax/version.py" ] || ! grep -q "_version = \"0.7.2\"" "$overlay/jax/version.py"; then
