@@ -38,6 +38,8 @@ def test_wheel_builds_installs_and_runs(tmp_path):
     assert torch_loaded == "False" and n == "3"            # torch stays optional
     r = subprocess.run([exe, "--version"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert r.returncode == 0 and r.stdout.startswith("meshtx "), r.stdout + r.stderr
+    r = subprocess.run([py, "-m", "meshtx", "--version"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("meshtx "), r.stdout + r.stderr   # where the script is not on PATH
     r = subprocess.run([exe, "info"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert r.returncode == 0 and "backend" in r.stdout, r.stderr
     r = subprocess.run([exe, "demo", "--steps", "10", "--out", tmp_path / "demo", "-q"], capture_output=True,
