@@ -50,3 +50,20 @@ def test_sample_streams_the_greedy_continuation():
     assert r.stdout == "Once upon a time" + want + "\n"
     r = meshtx("sample", "--preset", "demo", "--top-p", "3", "--prompt", "x")
     assert r.returncode == 2 and "invalid top_p=3.0" in r.stderr
+
+
+def test_sigterm_during_prepare_data_leaves_no_staging_folder(tmp_path):
+    "A scheduler's SIGTERM unwinds like Ctrl-C: exit status 143, and the hidden staging folder beside --out is gone."
+    import signal, time
+    (tmp_path / "big.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 400_000)   # ~18 MB: seconds to tokenize
+    p = subprocess.Popen([str(Path(sys.executable).parent / "meshtx"), "prepare-data", str(tmp_path / "big.txt"),
+                          "--out", str(tmp_path / "data"), "--tokenizer", "gpt2", "--seq", "64"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".meshtx-data-*/tokens.bin")) and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert p.poll() is None, "prepare-data finished before it could be stopped: give it more text"
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err[-2000:])
+    assert not list(tmp_path.glob(".meshtx-data-*")) and not (tmp_path / "data").exists()
