@@ -1,5 +1,5 @@
 """`meshtx serve` as a user runs it: a real server process on 127.0.0.1, real HTTP clients, the `openai` client."""
-import os, shutil, socket, subprocess, sys, threading, time
+import json, os, re, shutil, subprocess, sys, tempfile, threading, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import httpx
@@ -10,23 +10,17 @@ import meshtx.sampling  # noqa: F401  (adds LM.generate)
 pytestmark = pytest.mark.timeout(300)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
-    "A `meshtx serve --preset demo` process on a free port of 127.0.0.1, its output in a log file."
+    """A `meshtx serve --preset demo --port 0` process on 127.0.0.1, its output in a log file: the port is the one its
+    first line says it got (which `-q` does not silence)."""
     def __init__(self, log_dir, *args):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = None
         exe = shutil.which("meshtx") or str(Path(sys.executable).parent / "meshtx")
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # one CPU device, as users have
         env.setdefault("MESHTX_CACHE_DIR", "off")
-        self.log = Path(log_dir) / f"serve-{self.port}.log"
-        self._log = open(self.log, "w")
-        self.proc = subprocess.Popen([exe, "serve", "--preset", "demo", "--port", str(self.port), *map(str, args)],
+        self._log = tempfile.NamedTemporaryFile("w", dir=log_dir, prefix="serve-", suffix=".log", delete=False)
+        self.log = Path(self._log.name)
+        self.proc = subprocess.Popen([exe, "serve", "--preset", "demo", "--port", "0", *map(str, args)],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def output(self): return self.log.read_text()
@@ -36,9 +30,13 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"meshtx serve exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200: return self
-            except httpx.HTTPError: pass
+            if self.url is None:
+                m = re.match(r"meshtx: serving demo: LM\(.*\) on (http://127\.0\.0\.1:[1-9]\d*)\n", self.output())
+                self.url = m and m.group(1)
+            else:
+                try:
+                    if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200: return self
+                except httpx.HTTPError: pass
             time.sleep(0.25)
         pytest.fail(f"meshtx serve did not answer within {timeout} s:\n{self.output()}")
 
@@ -56,12 +54,12 @@ class Server:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    "Two servers, started together: the defaults, and one with room for one running and one queued prompt."
+    "Two servers, started together: the defaults, and a quiet one with room for one running and one queued prompt."
     log_dir = tmp_path_factory.mktemp("serve-logs")
     started = []
     try:
         started.append(Server(log_dir))
-        started.append(Server(log_dir, "--max-batch", 1, "--max-queue", 1, "--batch-wait-ms", 0))
+        started.append(Server(log_dir, "--max-batch", 1, "--max-queue", 1, "--batch-wait-ms", 0, "-q"))
         for s in started: s.wait_ready()
         yield {"main": started[0], "tight": started[1]}
     finally:
@@ -132,6 +130,10 @@ def test_the_openai_client_works_plain_and_streamed(server, demo):
                                             stop=stop, stream=True))
     assert s.choices[0].finish_reason == pieces[-1].choices[0].finish_reason == "stop"
     assert "".join(p.choices[0].text for p in pieces) == s.choices[0].text == c.choices[0].text[:c.choices[0].text.find(stop)]
+    # stream_options: a last chunk, with no choices, carries the usage a plain answer has
+    pieces = list(client.completions.create(model="demo", prompt=PROMPTS[3], max_tokens=LENGTHS[3], temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert pieces[-1].choices == [] and pieces[-1].usage == c.usage and all(p.usage is None for p in pieces[:-1])
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.completions.create(model="demo", prompt="x", max_tokens=4, top_p=5)
     # on the wire: server-sent events ending with [DONE]
@@ -156,8 +158,36 @@ def test_bad_requests_are_400_naming_the_field_and_the_server_keeps_serving(serv
     assert "n_ctx=512" in server.post("/v1/completions", json={"prompt": "hello " * 600}).json()["error"]["message"]
     r = server.post("/complete", json={"context": "x", "top_p": 5, "temp": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+    # what a web page can make a browser send cross-origin without a preflight is not run
+    before = server.stats()["generate_calls"]
+    r = server.post("/v1/completions", content=b'{"prompt": "x", "max_tokens": 2}',
+                    headers={"content-type": "text/plain;charset=UTF-8", "origin": "https://example.com"})
+    assert r.status_code == 415 and "Content-Type: application/json" in r.json()["error"]["message"]
+    assert server.stats()["generate_calls"] == before
     r = server.post("/v1/completions", json={"prompt": PROMPTS[5], "max_tokens": LENGTHS[5], "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy(demo, PROMPTS[5], LENGTHS[5]).texts[0]
+
+
+def test_a_lone_surrogate_fails_only_its_own_request(server, demo):
+    "JSON may spell a lone surrogate (valid JSON, not text): a 400 naming the field; the requests sent with it are served."
+    bad = [b'{"prompt": "bad \\ud800", "max_tokens": 4}', b'{"prompt": "x", "max_tokens": 4, "stop": ["\\udfff"]}']
+    good = [json.dumps({"prompt": PROMPTS[i], "max_tokens": LENGTHS[i], "temperature": 0}).encode() for i in range(6)]
+    start = threading.Barrier(len(bad) + len(good))
+    def ask(body):
+        start.wait()
+        return server.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    with ThreadPoolExecutor(len(bad) + len(good)) as ex: answers = list(ex.map(ask, bad + good))
+    assert [(a.status_code, a.json()["error"]["param"]) for a in answers[:2]] == [(400, "prompt"), (400, "stop")]
+    assert [a.json()["choices"][0]["text"] for a in answers[2:]] == [greedy(demo, PROMPTS[i], LENGTHS[i]).texts[0] for i in range(6)]
+
+
+def test_the_prompts_of_a_request_are_sampled_with_seeds_of_their_own(server):
+    body = {"prompt": [PROMPTS[0]] * 4, "max_tokens": 6, "temperature": 1.0}
+    texts = [c["text"] for c in server.post("/v1/completions", json=body).json()["choices"]]
+    assert len(set(texts)) == 4, texts                                   # no seed: four samples
+    seeded = [c["text"] for c in server.post("/v1/completions", json={**body, "seed": 5}).json()["choices"]]
+    alone = server.post("/v1/completions", json={**body, "prompt": PROMPTS[0], "seed": 7}).json()["choices"][0]["text"]
+    assert seeded[2] == alone                                            # seed 5: the third prompt samples with seed 7
 
 
 def test_a_full_queue_is_503_and_the_server_recovers(servers):
