@@ -2,8 +2,8 @@
 
 usage: python multihost_train_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_JSON WORKDIR
 The processes share 8 CPU devices as one dp=2 x fsdp=4 mesh; each loads only its rows of every batch from a
-prepared dataset in WORKDIR/data, trains 3 steps, evaluates, and saves a checkpoint into WORKDIR/ckpt-N
-(every process writing its own shards). Process 0 writes the losses to OUT_JSON."""
+prepared dataset in WORKDIR/data, trains 3 steps, evaluates, saves a checkpoint into WORKDIR/ckpt-N
+(every process writing its own shards) and generates. Process 0 writes the losses and tokens to OUT_JSON."""
 import json, sys
 pid, nproc, port, out, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 import jax
@@ -23,7 +23,14 @@ t = Trainer(lm, Loader(data, batch=8, accum=2, seed=3), Loader(data, batch=8, sp
 losses = [t.step()["loss"] for _ in range(3)]
 val = t.evaluate()
 t.save()
+# generation with its rows split over the processes' devices: every process gets every row
+opts = dict(max_new_tokens=5, temperature=[0.0, 1.0], seed=[0, 1], eos_token_id=None)
+generated = lm.generate([[1, 2, 3], [4, 5, 6, 7]], **opts).tokens
+stream = lm.generate([[1, 2, 3], [4, 5, 6, 7]], stream=True, **opts)
+for _ in stream: pass
 if distributed.is_main_process():
-    with open(out, "w") as f: json.dump({"losses": losses, "val": val, "processes": jax.process_count()}, f)
+    with open(out, "w") as f:
+        json.dump({"losses": losses, "val": val, "processes": jax.process_count(), "generated": generated,
+                   "streamed": stream.tokens}, f)
 distributed.sync("done")
 distributed.shutdown()

@@ -74,8 +74,21 @@ def test_two_processes_fine_tune_like_one(tmp_path):
     assert two["processes"] == 2
     np.testing.assert_allclose(two["losses"], one["losses"], atol=1e-5)
     assert abs(two["val"] - one["val"]) <= 1e-5
+    assert two["generated"] == one["generated"] == two["streamed"] and len(two["generated"][1]) == 5   # rows gathered
     a, _ = Checkpointer(tmp_path / "ckpt-1").restore()
     b, meta = Checkpointer(tmp_path / "ckpt-2").restore()
     assert meta["data"]["position"] == 3
     import jax
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-5), a["params"], b["params"])
+
+
+@pytest.mark.slow
+def test_a_batch_that_does_not_split_trains_like_one_process(tmp_path):
+    "6 rows over fsdp=4 are replicated: each process's rows are gathered first, not taken for the whole batch."
+    import numpy as np
+    worker = Path(__file__).with_name("multihost_odd_batch_worker.py")
+    one = run_job(1, tmp_path / "one.json", deadline=120, worker=worker)
+    two = run_job(2, tmp_path / "two.json", deadline=120, worker=worker)
+    assert two["processes"] == 2
+    np.testing.assert_allclose(two["losses"], one["losses"], atol=1e-5)
+    assert abs(two["val"] - one["val"]) <= 1e-5, (two, one)

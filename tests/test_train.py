@@ -170,6 +170,23 @@ def test_adafactor_trains():
     assert t.evaluate([batch]) < first - 1.0
 
 
+def test_adafactor_on_a_mesh_equals_one_device():
+    "Adafactor's row and column statistics (shapes no parameter has) get layouts of their own on a mesh."
+    from meshtx.sharding import make_mesh
+    cfg = ModelConfig(n_layer=2, d_model=128, n_head=4, rotary_dim=8, d_ff=256, n_vocab=256, n_ctx=32)   # dims ≥ 128: factored
+    batches = np.random.default_rng(0).integers(0, 256, (2, 1, 8, 17)).astype(np.int32)
+    def train(mesh):
+        t = Trainer(LM.init(cfg, tokenizer=None, mesh=mesh), iter(batches), optimizer="adafactor", lr=1e-4, progress=False)
+        losses = [t.step()["loss"] for _ in batches]
+        return losses, jax.tree.map(np.asarray, t.params), t.state.opt_state
+    ref_losses, ref_params, _ = train(None)
+    losses, params, opt_state = train(make_mesh(fsdp=4, mp=2, config=cfg))
+    v_row = opt_state[1][0].v_row["gptj/blocks/mlp/fc_in"]["w"]   # [L, D, F] without F: split over fsdp like D
+    assert v_row.shape == (2, 128) and v_row.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp"), v_row.sharding
+    npt.assert_allclose(losses, ref_losses, atol=1e-5)
+    jax.tree.map(lambda a, b: npt.assert_allclose(a, b, atol=1e-5), params, ref_params)
+
+
 def test_trainer_save_restore_and_weights_only(tmp_path):
     from meshtx.data import prepare_data, Loader
     from meshtx.tokenizer import ByteTokenizer
