@@ -27,7 +27,7 @@ Docs: https://meshtx.github.io/meshtx/index.html.md"""
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/index.ipynb #ae97094d
+# %% ../nbs/index.ipynb #893b58a1
 from .config import ModelConfig, PRESETS
 from .model import KVCache, gptj, init_params, param_shapes
 from .tokenizer import EOT, gpt2_tokenizer, load_tokenizer
