@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/data.html.md"""
 
 # %% ../nbs/06_data.ipynb #31734123
 from __future__ import annotations
-import bz2, codecs, contextlib, fnmatch, gzip, hashlib, io, json, lzma, os, re, shutil, struct, tempfile, time, uuid, warnings
+import bz2, codecs, contextlib, copy, fnmatch, gzip, hashlib, io, json, lzma, os, re, shutil, struct, tempfile, time, uuid, warnings
 from itertools import chain
 from pathlib import Path
 from typing import Iterator
@@ -15,11 +15,11 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 # %% auto #0
-__all__ = ['EOT_TEXT', 'PART_CHARS', 'FORMAT', 'FORMAT_VERSION', 'filesystem', 'source_files', 'is_remote', 'check_bucket',
-           'fetch_dir', 'check_upload_target', 'upload_dir', 'save_remote', 'file_kind', 'replace_invalid',
-           'read_documents', 'masked_crc32c', 'example_int64_feature', 'read_tfrecord', 'resolve_tokenizer',
-           'windows_from_tokens', 'val_window_indices', 'tokenizer_fingerprint', 'sources_digest', 'prepare_data',
-           'TokenData', 'Loader']
+__all__ = ['EOT_TEXT', 'PART_CHARS', 'FORMAT', 'FORMAT_VERSION', 'filesystem', 'read_index', 'source_files', 'is_remote',
+           'check_bucket', 'fetch_dir', 'check_upload_target', 'upload_dir', 'save_remote', 'file_kind',
+           'replace_invalid', 'read_documents', 'masked_crc32c', 'example_int64_feature', 'read_tfrecord',
+           'resolve_tokenizer', 'windows_from_tokens', 'val_window_indices', 'tokenizer_fingerprint', 'sources_digest',
+           'prepare_data', 'TokenData', 'Loader']
 
 # %% ../nbs/06_data.ipynb #0a87faed
 def filesystem(url_or_path, **storage_options) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -49,8 +49,14 @@ def _without_datasets(fs, found: list[str]) -> list[str]:
                 skip |= {p, f"{folder}/tokens.bin"}
     return [p for p in found if p not in skip]
 
+def read_index(path, storage_options=None) -> list[str]:
+    "The files an `.index` file lists, one path or URL per line (the original project's `train_set`/`val_set` files)."
+    fs, p = filesystem(path, **(storage_options or {}))
+    return [line.strip() for line in fs.cat_file(p).decode().splitlines() if line.strip()]
+
 def source_files(sources, storage_options=None, exclude=()) -> list[tuple[fsspec.AbstractFileSystem, str]]:
-    """Every file named by `sources`: paths, URLs, folders (walked recursively, in sorted order) or globs. Hidden files
+    """Every file named by `sources`: paths, URLs, folders (walked recursively, in sorted order), globs, or `.index`
+    files (lists of them, as the original project kept its TFRecords). Hidden files
     and folders inside a folder or glob are skipped, and so are datasets prepared there earlier, and whatever lies in
     the folders `exclude` (a run's own output inside its source folder)."""
     if isinstance(sources, (str, os.PathLike)): sources = [sources]
@@ -60,6 +66,8 @@ def source_files(sources, storage_options=None, exclude=()) -> list[tuple[fsspec
     files = []
     for source in sources:
         fs, path = filesystem(source, **(storage_options or {}))
+        if str(source).endswith(".index") and fs.isfile(path):   # the original project's list of data files
+            files += source_files(read_index(source, storage_options), storage_options, exclude); continue
         if fs.isdir(path):   # an existing name is itself, even with `[` in it ("Books [2019]")
             found = sorted(p for p in fs.find(path) if not p.endswith("/") and not _hidden(path, p))
         elif fs.exists(path): found = [path]
@@ -428,6 +436,9 @@ def _batch_encoder(tokenizer):
     """A function from a list of texts to a list of token lists. A special token's text inside a document (a scraped
     page quoting `<|endoftext|>`) is tokenized as text: only `prepare_data` puts separators between documents."""
     if hasattr(tokenizer, "model_input_names"):   # Hugging Face: one call for the batch, no special tokens added
+        # on a private copy: transformers sets `split_special_tokens` as a flag on the shared Rust tokenizer for each
+        # call, so another thread (a server, a sampling widget) encoding with the same object would flip it midway
+        tokenizer = copy.deepcopy(tokenizer)
         return lambda texts: tokenizer(texts, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"]
     return lambda texts: [tokenizer.encode(t) for t in texts]
 

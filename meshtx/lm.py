@@ -6,13 +6,13 @@ Docs: https://meshtx.github.io/meshtx/lm.html.md"""
 
 # %% ../nbs/04_lm.ipynb #4da8f793
 from __future__ import annotations
-import os
+import os, threading
 from pathlib import Path
 import numpy as np
 import jax, jax.numpy as jnp
 from fastcore.basics import patch
 from .config import ModelConfig, LoRAConfig
-from .model import gptj, init_params, no_hint
+from .model import gptj, init_params, no_hint, param_shapes
 from .weights import (load_hf_params, save_hf_params, save_params, load_params, is_meshtx_checkpoint,
                             checkpoint_files, MESHTX_CONFIG)
 from .data import is_remote, fetch_dir, save_remote
@@ -58,6 +58,9 @@ class LM:
     "A GPT-J model: `config`, `params` and `tokenizer`, with a compiled forward pass; on a `mesh` if given (and `lora` adapters)."
     def __init__(self, config: ModelConfig, params: dict, tokenizer=None, mesh=None, lora: LoRAConfig | None = None):
         self.config, self.params, self.tokenizer, self.mesh, self.lora = config, params, tokenizer, mesh, lora
+        # one user of the weights at a time: a training step donates (frees) them, so generation, saves and steps that
+        # may run in other threads (a widget, an in-process server) read `params` under this lock
+        self.lock = getattr(self, "lock", None) or threading.RLock()
         self._forward = jax.jit(gptj(config, activation_hint(mesh) if mesh is not None else no_hint, lora).apply)
 
     def __repr__(self):
@@ -110,7 +113,9 @@ def from_hf(cls: LM, path_or_repo_id, dtype="bfloat16", compute_dtype=None, revi
 
 @patch(cls_method=True)
 def load(cls: LM, path, dtype=None, compute_dtype=None, mesh=None, progress=True) -> LM:
-    "Load a meshtx checkpoint (`LM.save`) or a Hugging Face directory/hub id (either may be a `gs://` URL)."
+    """Load a meshtx checkpoint (`LM.save`), a `Trainer` checkpoint of a full fine-tune (a `step_N` folder, or the
+    folder holding them: its latest step), or a Hugging Face directory/hub id (any of them may be a `gs://` URL)."""
+    if (found := _training_checkpoint(path)) is not None: return cls._from_training(*found, dtype, compute_dtype, mesh)
     if is_remote(path): path = fetch_dir(path, progress=progress)
     if is_meshtx_checkpoint(path):
         config, params = load_params(path)
@@ -120,6 +125,35 @@ def load(cls: LM, path, dtype=None, compute_dtype=None, mesh=None, progress=True
         lm = cls(config, params, tok)
         return lm.shard(mesh) if mesh is not None else lm
     return cls.from_hf(path, dtype=dtype or "bfloat16", compute_dtype=compute_dtype, mesh=mesh, progress=progress)
+
+def _training_checkpoint(path):
+    "`(Checkpointer, step)` if `path` is a `Trainer`'s checkpoint: a `step_N` folder, or a folder of them (the latest)."
+    from meshtx.checkpoint import Checkpointer, MARKER
+    path = str(path).rstrip("/")
+    name = path.rsplit("/", 1)[-1]
+    if name.startswith("step_") and name[5:].isdigit():
+        ck = Checkpointer(path.rsplit("/", 1)[0] if "/" in path else ".")
+        return (ck, int(name[5:])) if ck.fs.exists(f"{ck.root}/{name}/{MARKER}") else None
+    try: ck = Checkpointer(path)
+    except (OSError, ValueError): return None
+    return (ck, ck.latest()) if ck.fs.isdir(ck.root) and ck.steps() else None
+
+@patch(cls_method=True)
+def _from_training(cls: LM, ck, step, dtype=None, compute_dtype=None, mesh=None) -> LM:
+    "The model of `Trainer` checkpoint `step` in `ck` (its weights only: no optimizer state is read)."
+    meta = ck.metadata(step)
+    if meta.get("lora") is not None:
+        raise ValueError(f"step {step} in {ck.directory} is a LoRA fine-tune's checkpoint: it holds the adapters, not the "
+                         "model. Load the base model and restore it with `Trainer(lm, data, lora=...).restore(...)` (then "
+                         "`lm.merge_lora()`), or load the `model` folder that `meshtx finetune` writes")
+    config = ModelConfig.from_dict(meta["config"])
+    target = param_shapes(config)   # born in their layout on `mesh`
+    if mesh is not None: target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), target,
+                                               param_shardings(config, mesh))
+    params = ck.restore(step, {"params": target})[0]["params"]
+    config = _with_dtype(config, dtype, compute_dtype)
+    if dtype is not None: params = jax.tree.map(lambda x: x.astype(config.param_dtype), params)
+    return cls(config, params, _default_tokenizer(config), mesh)
 
 # %% ../nbs/04_lm.ipynb #04096904
 @patch
@@ -157,7 +191,7 @@ def logits(self: LM, tokens, attention_mask=None) -> jax.Array:
     if self.mesh is not None:   # the batch is split over dp × fsdp
         put = lambda x: jax.device_put(x, batch_sharding(self.mesh, tokens.shape))
         tokens, attention_mask = put(tokens), None if attention_mask is None else put(attention_mask)
-    return self._forward(self.params, tokens, attention_mask)
+    with self.lock: return self._forward(self.params, tokens, attention_mask)
 
 # %% ../nbs/04_lm.ipynb #a3d8d78f
 def _no_adapters(lm):
@@ -172,7 +206,7 @@ def save_hf(self: LM, path, dtype=None, max_shard_size="5GB", progress=True) -> 
     if is_remote(path): return save_remote(path, "config.json", lambda d: self.save_hf(d, dtype, max_shard_size, progress))
     _check_target(path, "config.json", MESHTX_CONFIG, "a meshtx checkpoint")
     config = self.config if self.config.eos_token_id is not None else self.config.replace(eos_token_id=self.eos_token_id)
-    path = save_hf_params(path, self.params, config, dtype=dtype, max_shard_size=max_shard_size, progress=progress)
+    with self.lock: path = save_hf_params(path, self.params, config, dtype=dtype, max_shard_size=max_shard_size, progress=progress)
     _save_tokenizer(self.tokenizer, path)
     return path
 
@@ -182,7 +216,7 @@ def save(self: LM, path) -> Path:
     _no_adapters(self)
     if is_remote(path): return save_remote(path, MESHTX_CONFIG, self.save)
     _check_target(path, MESHTX_CONFIG, "config.json", "a Hugging Face checkpoint")
-    path = save_params(path, self.params, self.config)
+    with self.lock: path = save_params(path, self.params, self.config)
     _save_tokenizer(self.tokenizer, path)
     return path
 

@@ -145,12 +145,13 @@ def _per_row(name, value, B, default, check, dtype):
         except (TypeError, ValueError): ok = False
         if not ok: raise ValueError(f"invalid {name}={v!r}")
         out.append(v)
-    return np.asarray(out, dtype)
+    try: return np.asarray(out, dtype)
+    except OverflowError: raise ValueError(f"invalid {name}={max(out, key=abs)!r}: out of range") from None
 
 _CHECKS = {
     "temperature": (1.0, lambda v: float(v) >= 0 and math.isfinite(float(v)), np.float32),
-    "top_k": (0, lambda v: int(v) == v and (v >= 1 or v == 0), np.int32),
-    "top_p": (1.0, lambda v: 0 < float(v) <= 1, np.float32),
+    "top_k": (0, lambda v: int(v) == v and v >= -1, np.int32),    # 0 or -1 (vLLM's spelling): off
+    "top_p": (1.0, lambda v: 0 <= float(v) <= 1, np.float32),     # 0: only the likeliest token
     "repetition_penalty": (1.0, lambda v: float(v) > 0 and math.isfinite(float(v)), np.float32),
     "max_new_tokens": (None, lambda v: int(v) == v and v >= 1, np.int32),
     "seed": (0, lambda v: int(v) == v and 0 <= v < 2**32, np.uint32),
@@ -194,7 +195,7 @@ def _encode_prompts(lm, prompts):
             if lm.tokenizer is None: raise ValueError("this LM has no tokenizer: pass token ids, not text")
             p = lm.tokenizer(p).input_ids
         p = [int(t) for t in p]
-        if not p: raise ValueError(f"prompt {i} is empty")
+        p = p or [lm.document_start]   # an empty prompt starts a new document (as OpenAI's API and HF's BOS do)
         if min(p) < 0 or max(p) >= lm.config.n_vocab:
             raise ValueError(f"prompt {i} has token ids outside [0, {lm.config.n_vocab})")
         ids.append(p)
@@ -224,11 +225,13 @@ def generate(self: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, 
              repetition_penalty=None, stop=None, seed=0, stream=False, logprobs=False, truncate=None,
              eos_token_id="auto", chunk=8):
     """Continue each prompt (a string, token ids, or a list of either) by up to `max_new_tokens` tokens.
-    Options may be scalars or per-prompt lists; `temperature=0` is greedy; one `seed` gives row `i` the seed `seed + i`. Each prompt must fit `n_ctx` with its own
-    `max_new_tokens` (or is cut from the left, with `truncate="left"`). With `stream=True`, returns an iterator of
-    `(prompt index, new text)` pieces as they are produced (`chunk` tokens per device call). `stop` (strings, token
-    ids or token-id lists) ends a row at the token that completes one; strings are compared as text on the host
-    every `chunk` steps, so that decoding ends there even when the tokens spell them differently."""
+    Options may be scalars or per-prompt lists; `temperature=0` is greedy; one `seed` gives row `i` the seed
+    `seed + i`. Each prompt must fit `n_ctx` with its own `max_new_tokens` (or is cut from the left, with
+    `truncate="left"`). With `stream=True`, returns an iterator of `(prompt index, new text)` pieces as they are
+    produced (`chunk` tokens per device call). `stop` (strings, token ids or token-id lists) ends a row at the token
+    that completes one. Strings are compared as text on the host every `chunk` steps, so that decoding ends there even
+    when the tokens spell them differently, and are cut from the text (as OpenAI's API does); token-id stops stay in
+    the text and in `tokens` (as Hugging Face's stop tokens do), except the end-of-text token, which is never text."""
     ids = _encode_prompts(self, prompts)
     B = len(ids)
     o = {n: _per_row(n, v, B, *_CHECKS[n]) for n, v in dict(temperature=temperature, top_k=top_k, top_p=top_p,
@@ -258,17 +261,22 @@ def generate(self: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, 
     for i, p in enumerate(ids): tokens[i, P - len(p):] = p; mask[i, P - len(p):] = 1
     mask[B:, -1] = 1                                           # padding rows: one dummy token, finish at once
     pad = lambda a, v: np.concatenate([a, np.full(Bb - B, v, a.dtype)])
-    opts = Options(pad(o["temperature"], 0), pad(o["top_k"], 0), pad(o["top_p"], 1), pad(o["repetition_penalty"], 1),
+    opts = Options(pad(o["temperature"], 0), pad(np.maximum(o["top_k"], 0), 0), pad(o["top_p"], 1), pad(o["repetition_penalty"], 1),
                    pad(o["seed"], 0))
     limit = pad(o["max_new_tokens"], 1)
     fns = _compiled(self)
     cache = fns.empty_cache(Bb, P + N)
     if self.mesh is not None:   # prompts split over dp × fsdp, like the cache
         tokens, mask = (jax.device_put(x, NamedSharding(self.mesh, fit_spec(P_(BATCH), x.shape, self.mesh))) for x in (tokens, mask))
-    cache, last, seen = fns.prefill(self.params, tokens, mask, cache)
+    lora = self.lora
+    def call(f, *args, **kw):   # the weights are read under the lock at each device call: a training step in another
+        with self.lock:         # thread donates them, and then the next call takes the new ones
+            if self.lora is not lora: raise RuntimeError("the model's LoRA adapters were merged or replaced during this generation: generate again")
+            return f(self.params, *args, **kw)
+    cache, last, seen = call(fns.prefill, tokens, mask, cache)
     state = State(cache, last, jnp.zeros((Bb, N), jnp.int32), jnp.zeros((Bb, N), jnp.float32), seen,
                   jnp.asarray(np.arange(Bb) >= B), jnp.zeros((Bb,), jnp.int32), jnp.zeros((), jnp.int32))
-    run = partial(fns.decode, self.params, opts=opts, limit=limit, eos=eos, stops=stops)
+    run = partial(call, fns.decode, opts=opts, limit=limit, eos=eos, stops=stops)
     if stream: return Stream(self, run, state, B, eos, stops, stop_strings, chunk)
     if stop_strings:   # the host compares the text every `chunk` steps, and ends the rows that reach a stop string
         for state in self._chunks(run, state, B, eos, stop_strings, chunk): pass

@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/train.html.md"""
 
 # %% ../nbs/08_train.ipynb #972b09b9
 from __future__ import annotations
-import dataclasses, math, numbers, time
+import contextlib, dataclasses, math, numbers, signal, threading, time
 from pathlib import Path
 import numpy as np
 import jax, jax.numpy as jnp
@@ -64,7 +64,8 @@ class TrainState:
     step: jax.Array
 
 def make_train_step(config: ModelConfig, optimizer, mesh=None, lora: LoRAConfig | None = None):
-    "A jitted `step(state, batch [accum, B, T+1], frozen={}) -> (state, metrics)`, with the state donated."
+    """`step(state, batch [accum, B, T+1], frozen={}) -> (state, metrics)`: jitted with the state donated; with a
+    `mesh`, left for the caller to jit with its shardings (as the `Trainer` does)."""
     model = gptj(config, activation_hint(mesh) if mesh is not None else no_hint, lora)
     def loss_fn(params, frozen, tokens):
         return model.apply(join(frozen, params), tokens[:, :-1], targets=tokens[:, 1:])
@@ -170,6 +171,18 @@ class Trainer:
         return jax.device_put(batch, jax.sharding.NamedSharding(mesh, spec))
 
 # %% ../nbs/08_train.ipynb #8d9f8c5e
+@contextlib.contextmanager
+def _interrupts_deferred():
+    "Hold a Ctrl-C (SIGINT) that arrives in the block until the block ends, then deliver it (main thread only)."
+    if threading.current_thread() is not threading.main_thread(): yield; return
+    old, caught = signal.getsignal(signal.SIGINT), []
+    if not callable(old): yield; return   # SIGINT ignored or left to the OS: nothing to defer
+    signal.signal(signal.SIGINT, lambda *a: caught.append(a))
+    try: yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if caught: old(*caught[0])   # Python's default handler raises KeyboardInterrupt here, after the block
+
 @patch
 def _check_model(self: Trainer):
     "Raise if the model's adapters were merged since: the merge took the base weights this trainer holds."
@@ -185,14 +198,17 @@ def step(self: Trainer) -> dict:
     except StopIteration: raise ValueError(f"the training data ran out after {len(self.history)} steps: give an "
                                            "iterator that does not end (a `Loader` loops over its data)") from None
     t0 = time.perf_counter()
-    step_no = int(self.state.step)
-    self.state, m = self._step(self.state, self._put(batch), self.frozen)
-    self._sync_lm()   # the step took the old state's buffers (donated): the LM must not keep pointing at them
-    m = {k: v.item() for k, v in jax.device_get(m).items()}   # waits for the step (and keeps CPU collectives sane)
-    dt = time.perf_counter() - t0
-    rec = {"step": len(self.history) + 1, "loss": m["loss"], "lr": float(self.schedule(step_no)),
-           "grad_norm": m["grad_norm"], "tokens_per_s": np.asarray(batch).size * jax.process_count() / dt, "skipped": m["skipped"]}
-    self.history.append(rec)
+    step_no, tokens = int(self.state.step), self._put(batch)
+    # the step donates the weights, which other threads may be reading (they take the LM's lock too); and a Ctrl-C
+    # between the update and its record would leave a state that is updated but not counted, or half replaced
+    with _interrupts_deferred(), self.lm.lock:
+        self.state, m = self._step(self.state, tokens, self.frozen)
+        self._sync_lm()   # the step took the old state's buffers (donated): the LM must not keep pointing at them
+        m = {k: v.item() for k, v in jax.device_get(m).items()}   # waits for the step (and keeps CPU collectives sane)
+        dt = time.perf_counter() - t0
+        rec = {"step": len(self.history) + 1, "loss": m["loss"], "lr": float(self.schedule(step_no)),
+               "grad_norm": m["grad_norm"], "tokens_per_s": np.asarray(batch).size * jax.process_count() / dt, "skipped": m["skipped"]}
+        self.history.append(rec)
     self._bad = self._bad + 1 if m["skipped"] else 0
     if m["skipped"]:
         import warnings
@@ -227,8 +243,9 @@ def evaluate(self: Trainer, batches=None) -> float:
     batches = self.val_data if batches is None else batches
     if batches is None: raise ValueError("no validation data: pass val_data to the Trainer or batches here")
     self._check_model()
-    params = join(self.frozen, self.state.params) if self.frozen else self.state.params
-    losses = [float(self._eval(params, self._put(b))) for b in batches]
+    with self.lm.lock:   # not while a step in another thread donates these weights
+        params = join(self.frozen, self.state.params) if self.frozen else self.state.params
+        losses = [float(self._eval(params, self._put(b))) for b in batches]
     if not losses: raise ValueError("no validation batches: the iterable is empty (or an iterator already used up)")
     return float(np.mean(losses))
 
@@ -281,14 +298,15 @@ def save(self: Trainer, directory=None) -> str:
     "Checkpoint the full train state (and the data position) at the current step; returns its path."
     self._check_model()
     ck = self._checkpointer(directory)
-    problem = _later_steps(ck, len(self.history), abandoned=self._abandoned.get(ck.directory, ()))
-    if problem is not None: raise ValueError(problem)
-    tree = {"params": self.state.params, "opt_state": self.state.opt_state, "step": self.state.step}
-    meta = {"step": len(self.history), "config": self.lm.config.to_dict(),
-            "lora": self.lm.lora.to_dict() if self.lm.lora is not None else None,
-            "data": self.loader.state() if self.loader is not None else None,
-            "hparams": self.hparams, "history": self.history}
-    return ck.save(len(self.history), tree, meta)
+    with self.lm.lock:   # the state of one step, not of one being taken in another thread
+        problem = _later_steps(ck, len(self.history), abandoned=self._abandoned.get(ck.directory, ()))
+        if problem is not None: raise ValueError(problem)
+        tree = {"params": self.state.params, "opt_state": self.state.opt_state, "step": self.state.step}
+        meta = {"step": len(self.history), "config": self.lm.config.to_dict(),
+                "lora": self.lm.lora.to_dict() if self.lm.lora is not None else None,
+                "data": self.loader.state() if self.loader is not None else None,
+                "hparams": self.hparams, "history": self.history}
+        return ck.save(len(self.history), tree, meta)
 
 @patch
 def restore(self: Trainer, directory=None, step: int | None = None, weights_only: bool = False) -> int:

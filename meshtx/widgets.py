@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/widgets.html.md"""
 
 # %% ../nbs/11_widgets.ipynb #87050c26
 from __future__ import annotations
-import io, threading, time
+import io, secrets, threading, time
 from pathlib import Path
 import ipywidgets as W
 from .lm import LM
@@ -17,8 +17,8 @@ from .lora import split_adapters
 __all__ = ['SAMPLER_DEFAULTS', 'SamplerController', 'SamplerWidget', 'FinetuneController', 'FinetuneWidget']
 
 # %% ../nbs/11_widgets.ipynb #2de0e4cb
-SAMPLER_DEFAULTS = dict(max_new_tokens=64, temperature=0.8, top_p=0.9, top_k=0, repetition_penalty=1.0, seed=0,
-                        stop_at=None)
+SAMPLER_DEFAULTS = dict(max_new_tokens=64, temperature=0.8, top_p=0.9, top_k=0, repetition_penalty=1.0,
+                        seed=None, stop_at=None)   # seed None: a new random seed for each generation
 
 def _message(e: Exception) -> str:
     "An exception as one line a user can act on."
@@ -30,7 +30,8 @@ class SamplerController:
         import meshtx.sampling  # noqa: F401  (adds LM.generate)
         self.lm, self.on_update = lm, on_update or (lambda controller: None)
         self.options = {**SAMPLER_DEFAULTS, **options}
-        self._kwargs()   # unknown or bad options fail here
+        self.seed = None   # the seed the last generation used
+        self._kwargs()     # unknown or bad options fail here
         self.text, self.error, self.running = "", None, False
         self.time_to_first_token = self.tokens_per_s = None
         self.n_tokens = 0
@@ -47,6 +48,7 @@ class SamplerController:
             self.on_update(self)
             return None
         self.options.update(options)
+        self.seed = secrets.randbits(32) if self.options["seed"] is None else int(self.options["seed"])
         self.time_to_first_token = self.tokens_per_s = None
         self._stop.clear()
         self.running = True
@@ -70,6 +72,7 @@ class SamplerController:
         if unknown := sorted(set(o) - set(SAMPLER_DEFAULTS)):
             raise ValueError(f"unknown option(s) {unknown}; the options are {sorted(SAMPLER_DEFAULTS)}")
         for name in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty"):
+            if o[name] is None and name == "seed": continue   # a new random one for each generation
             if o[name] is None: raise ValueError(f"{name}=None: give a value (the default is {SAMPLER_DEFAULTS[name]})")
             _per_row(name, o[name], 1, *_CHECKS[name])
         stop = o["stop_at"]
@@ -78,7 +81,7 @@ class SamplerController:
             raise ValueError(f"stop_at={o['stop_at']!r} must be a string or a list of strings")
         stop = stop or []
         return dict(max_new_tokens=int(o["max_new_tokens"]), temperature=float(o["temperature"]),
-                    top_p=float(o["top_p"]), top_k=int(o["top_k"]) or None, seed=int(o["seed"]),
+                    top_p=float(o["top_p"]), top_k=int(o["top_k"]) or None, seed=self.seed,
                     repetition_penalty=float(o["repetition_penalty"]) if float(o["repetition_penalty"]) != 1.0 else None,
                     stop=[s for s in stop if s] or None)
 
@@ -122,11 +125,12 @@ class SamplerWidget(W.VBox):
         wide = W.Layout(width="100%")
         self.prompt = _tag(W.Textarea(value=prompt, placeholder="Type a prompt…", layout=W.Layout(width="100%", height="6em")), "prompt")
         self.temperature = _tag(W.FloatSlider(value=o["temperature"], min=0, max=2, step=0.05, description="temperature"), "temperature")
-        self.top_p = _tag(W.FloatSlider(value=o["top_p"], min=0.01, max=1, step=0.01, description="top-p"), "top-p")
+        self.top_p = _tag(W.FloatSlider(value=o["top_p"], min=0, max=1, step=0.01, description="top-p"), "top-p")
         self.top_k = _tag(W.BoundedIntText(value=o["top_k"], min=0, max=lm.config.n_vocab, description="top-k (0: off)"), "top-k")
         self.max_tokens = _tag(W.BoundedIntText(value=o["max_new_tokens"], min=1, max=lm.config.n_ctx - 1, description="max tokens"), "max-tokens")
         self.repetition_penalty = _tag(W.FloatSlider(value=o["repetition_penalty"], min=1, max=2, step=0.05, description="repetition"), "repetition-penalty")
-        self.seed = _tag(W.IntText(value=o["seed"], description="seed"), "seed")
+        self.seed = _tag(W.IntText(value=0 if o["seed"] is None else o["seed"], description="seed"), "seed")
+        self.new_seed = _tag(W.Checkbox(value=o["seed"] is None, description="new seed each time", indent=False), "new-seed")
         stops = [o["stop_at"]] if isinstance(o["stop_at"], str) else list(o["stop_at"] or [])
         self.stop_at = _tag(W.Text(value="|".join(s.replace("\n", "\\n").replace("\t", "\\t") for s in stops),
                                    description="stop at", placeholder="e.g. \\n\\n|END  (| separates several)"), "stop-at")
@@ -138,21 +142,23 @@ class SamplerWidget(W.VBox):
         self.generate_button.on_click(lambda _: self.generate())
         self.stop_button.on_click(lambda _: c.stop())
         options = W.HBox([W.VBox([self.temperature, self.top_p, self.repetition_penalty]),
-                          W.VBox([self.top_k, self.max_tokens, self.seed, self.stop_at])])
+                          W.VBox([self.top_k, self.max_tokens, W.HBox([self.seed, self.new_seed]), self.stop_at])])
         super().__init__([self.prompt, options, W.HBox([self.generate_button, self.stop_button]), self.output,
                           self.stats, self.error], layout=wide)
 
     def generate(self):
         "What the Generate button does: read the controls, start streaming."
         try:
-            self.controller.generate(self.prompt.value, temperature=self.temperature.value, top_p=self.top_p.value,
+            started = self.controller.generate(self.prompt.value, temperature=self.temperature.value, top_p=self.top_p.value,
                                      top_k=self.top_k.value, max_new_tokens=self.max_tokens.value,
-                                     repetition_penalty=self.repetition_penalty.value, seed=self.seed.value,
+                                     repetition_penalty=self.repetition_penalty.value,
+                                     seed=None if self.new_seed.value else self.seed.value,
                                      stop_at=[s.replace("\\n", "\n").replace("\\t", "\t")
                                               for s in self.stop_at.value.split("|") if s] or None)
         except Exception as e:
             self.error.value = f"<span style='color:#b00'>{_message(e)}</span>"
             return
+        if started is not None: self.seed.value = self.controller.seed   # the seed this sample used, to make it again
         self._refresh(self.controller)
 
     def _refresh(self, c: SamplerController):

@@ -102,7 +102,7 @@ def test_logprobs_and_stop_and_stream():
 
 def test_bad_options_are_named():
     lm = LM.init("tiny")
-    for kw, msg in [({"top_p": 0}, "invalid top_p=0"), ({"top_p": 1.5}, "invalid top_p=1.5"), ({"top_k": 0.5}, "invalid top_k=0.5"),
+    for kw, msg in [({"top_p": -0.5}, "invalid top_p=-0.5"), ({"top_k": -2}, "invalid top_k=-2"), ({"top_p": 1.5}, "invalid top_p=1.5"), ({"top_k": 0.5}, "invalid top_k=0.5"),
                     ({"temperature": -1}, "invalid temperature=-1"), ({"temperature": float("nan")}, "invalid temperature=nan"),
                     ({"repetition_penalty": 0}, "invalid repetition_penalty=0"), ({"max_new_tokens": 0}, "invalid max_new_tokens=0"),
                     ({"temperature": [1.0, 0.5]}, "temperature has 2 values for 1 prompts")]:

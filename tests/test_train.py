@@ -208,6 +208,40 @@ def test_trainer_save_restore_and_weights_only(tmp_path):
     assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(c.state.opt_state[1][0].mu))
 
 
+
+def test_lm_load_reads_a_training_checkpoint(tmp_path):
+    "What `meshtx train` or the fine-tune widget saved loads as a model: the folder (its latest step) or one step."
+    batch = np.random.RandomState(0).randint(0, 100, (2, 17))
+    t = Trainer(LM.init(CFG, seed=2), itertools.repeat(batch), lr=1e-3, checkpoint_dir=tmp_path / "ck", progress=False)
+    t.step(); t.save(); t.step(); last = t.save()
+    for path in (tmp_path / "ck", last):
+        lm = LM.load(path)
+        assert lm.config == t.lm.config
+        jax.tree.map(npt.assert_array_equal, jax.tree.map(np.asarray, lm.params), jax.tree.map(np.asarray, t.lm.params))
+    first = LM.load(tmp_path / "ck" / "step_00000001")
+    assert not np.array_equal(np.asarray(first.logits([[1, 2, 3]])), np.asarray(lm.logits([[1, 2, 3]])))
+    lora = Trainer(LM.init(CFG, seed=2), itertools.repeat(batch), lr=1e-3, lora=4, checkpoint_dir=tmp_path / "lo", progress=False)
+    lora.step()
+    with pytest.raises(ValueError, match="LoRA fine-tune's checkpoint: it holds the adapters, not the model"):
+        LM.load(lora.save())
+
+
+def test_an_interrupt_during_a_step_arrives_after_it_is_recorded():
+    "Ctrl-C in the middle of a step: the step is taken and counted, then KeyboardInterrupt; the trainer goes on."
+    batch = np.random.RandomState(0).randint(0, 100, (2, 17))
+    t = Trainer(LM.init(CFG, seed=2), itertools.repeat(batch), lr=1e-3, progress=False)
+    real = t._step
+    def interrupted_step(*a):   # the signal arrives while the device works on the step
+        os.kill(os.getpid(), signal.SIGINT); return real(*a)
+    t._step = interrupted_step
+    with pytest.raises(KeyboardInterrupt):
+        t.step()
+    t._step = real
+    assert (len(t.history), int(t.state.step)) == (1, 1)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler      # Python's own handler is back
+    t.step()
+    assert len(t.history) == 2 and np.isfinite(np.asarray(t.lm.logits([[1, 2, 3]]))).all()
+
 def test_prepare_data_command(tmp_path):
     from meshtx.cli import main
     from meshtx.data import TokenData

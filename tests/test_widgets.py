@@ -43,7 +43,7 @@ def test_sampler_generates_streams_and_stops(lm):
 
 def test_sampler_shows_errors_in_words(lm):
     w = SamplerWidget(lm, prompt="x")
-    w.seed.value = -1
+    w.new_seed.value, w.seed.value = False, -1
     w.generate_button.click()
     w.controller.wait(60)
     assert "seed" in w.error.value and "Traceback" not in w.error.value
