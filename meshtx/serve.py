@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from .lm import LM
-import meshtx.sampling  # noqa: F401  (adds LM.generate)
+from .sampling import _cut   # importing it adds LM.generate
 
 # %% auto #0
 __all__ = ['RequestError', 'Job', 'parse_completions', 'default_complete_tokens', 'parse_complete', 'Batcher', 'make_app',
@@ -115,14 +115,19 @@ class Job:
 # %% ../nbs/10_serve.ipynb #cf3934da
 def _sampling(body: dict, n_ctx: int, max_tokens: int, lenient=False) -> dict:
     "The options every endpoint shares, read from `body` under OpenAI's names."
-    seed = _integer(body, "seed", None, lambda v: True, "an integer")
+    seed = _integer(body, "seed", None, lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)")
     return dict(
         max_tokens=_integer(body, "max_tokens", max_tokens, lambda v: 1 <= v < n_ctx, f"an integer in [1, {n_ctx})", lenient),
         temperature=_number(body, "temperature", 1.0, lambda v: v >= 0, "a number >= 0", lenient),
         top_p=_number(body, "top_p", 1.0, lambda v: 0 <= v <= 1, "a number in [0, 1]", lenient),
         top_k=max(0, _integer(body, "top_k", 0, lambda v: v >= -1, "an integer >= 0 (0 or -1: off)", lenient)),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, lambda v: v > 0, "a number > 0", lenient),
-        seed=secrets.randbits(32) if seed is None else seed % 2**32)
+        seed=secrets.randbits(32) if seed is None else seed)
+
+def _refuse_other_names(body: dict, names: dict):
+    "A 400 for an option spelled as another front-end spells it (`names`: theirs → ours), instead of ignoring it."
+    for theirs, ours in names.items():
+        if theirs in body: raise RequestError(f"{theirs} is not an option of this endpoint: use {ours}", theirs)
 
 def _include_usage(v, stream: bool) -> bool:
     "Whether `stream_options` (`None` or `{\"include_usage\": bool}`) asks a stream for a final usage chunk."
@@ -144,23 +149,27 @@ def parse_completions(body: dict, n_ctx: int) -> tuple[Job, bool]:
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0): raise RequestError(f"{name} is not supported (use repetition_penalty)", name)
     if body.get("logit_bias"): raise RequestError("logit_bias is not supported", "logit_bias")
+    _refuse_other_names(body, {"max_new_tokens": "max_tokens", "temp": "temperature"})
     stream = _flag(body, "stream")
     job = Job(prompts, **_sampling(body, n_ctx, 16), stop=_stop(body.get("stop")), stream=stream,
               include_usage=_include_usage(body.get("stream_options"), stream))
     return job, _flag(body, "echo")
 
 # %% ../nbs/10_serve.ipynb #cd7a3196
-def default_complete_tokens(n_ctx: int) -> int: return max(1, min(512, n_ctx // 4))
+def default_complete_tokens(n_ctx: int) -> int: return max(1, min(256, n_ctx // 4))
 
 def parse_complete(body: dict, n_ctx: int) -> Job:
-    "Validate an original `/complete` body, `{\"context\", \"top_p\", \"temp\", \"max_tokens\"?}`."
+    "Validate an original `/complete` body, `{\"context\", \"top_p\", \"temp\", \"max_tokens\"?}` (and OpenAI's option names)."
     if not isinstance(body.get("context"), str): raise RequestError("context is required and must be a string", "context")
-    try: opts = _sampling({"top_p": body.get("top_p"), "temperature": body.get("temp"), "max_tokens": body.get("max_tokens"),
-                           "seed": body.get("seed")}, n_ctx, default_complete_tokens(n_ctx), lenient=True)
-    except RequestError as e:   # the original's name for the temperature is `temp`
+    if "temp" in body and "temperature" in body and body["temp"] != body["temperature"]:
+        raise RequestError("temp and temperature are the same option and differ here: send one", "temp")
+    _refuse_other_names(body, {"max_new_tokens": "max_tokens"})
+    temp = "temp" if "temp" in body else "temperature"   # the original's name for the temperature is `temp`
+    try: opts = _sampling({**body, "temperature": body.get(temp)}, n_ctx, default_complete_tokens(n_ctx), lenient=True)
+    except RequestError as e:
         if e.param != "temperature": raise
-        raise RequestError(e.message.replace("temperature", "temp"), "temp") from None
-    return Job([_text(body["context"], "context")], **opts, truncate=True)
+        raise RequestError(e.message.replace("temperature", temp), temp) from None
+    return Job([_text(body["context"], "context")], **opts, stop=_stop(body.get("stop")), truncate=True)
 
 # %% ../nbs/10_serve.ipynb #c03f01cf
 def _param_of(message: str) -> str | None:
@@ -175,6 +184,12 @@ def _resolve(fut, result=None, error=None):
     if error is not None: fut.set_exception(error)
     else: fut.set_result(result)
 
+def _shutting_down() -> RequestError: return RequestError("the server is shutting down", status=503, type="server_error")
+
+def _as_request_error(e: Exception) -> RequestError:
+    "A `generate` `ValueError` as a 400 naming the field it is about."
+    return e if isinstance(e, RequestError) else RequestError(str(e), _param_of(str(e)))
+
 class Batcher:
     "Runs `Job`s on `lm` from one worker thread, batching up to `max_batch` prompts that arrive within `batch_wait_ms`."
     def __init__(self, lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, stream_chunk=8):
@@ -182,7 +197,7 @@ class Batcher:
         self.lm, self.max_batch, self.batch_wait, self.max_queue = lm, max_batch, batch_wait_ms / 1000, max_queue
         self.stream_chunk = stream_chunk
         self._queue, self._queued = collections.deque(), 0
-        self._cv, self._thread, self._closed, self.busy = threading.Condition(), None, False, 0
+        self._cv, self._thread, self._closed, self._abort, self.busy = threading.Condition(), None, False, False, 0
         self.calls, self.batch_sizes = 0, collections.Counter()
 
     # --- the event-loop side ---------------------------------------------------------------------------
@@ -192,7 +207,7 @@ class Batcher:
         if n > self.max_queue:
             raise RequestError(f"prompt has {n} entries; this server queues at most {self.max_queue}", "prompt")
         with self._cv:
-            if self._closed: raise RequestError("the server is shutting down", status=503, type="server_error")
+            if self._closed: raise _shutting_down()
             if self._queued + n > self.max_queue:
                 raise RequestError(f"the server is busy: {self._queued} prompts are queued (at most {self.max_queue}); "
                                    "try again later", status=503, type="server_error")
@@ -200,13 +215,22 @@ class Batcher:
             self._cv.notify()
             self.start()
 
+    def cancel(self, job: Job):
+        "The client of `job` is gone (or answered): take it out of the queue, or stop it at its batch's next chunk."
+        job.cancelled = True
+        with self._cv:
+            for k, j in enumerate(self._queue):
+                if j is job:
+                    del self._queue[k]; self._queued -= len(j.prompts)
+                    return
+
     async def complete(self, job: Job) -> list[dict]:
         "Run a plain job; one result dict per prompt (`text`, `finish_reason`, token counts, `prompt_text`)."
         job._loop = asyncio.get_running_loop()
         job._done = job._loop.create_future()
         self.submit(job)
         try: return await job._done
-        finally: job.cancelled = True
+        finally: self.cancel(job)   # cancelled (a client that went away): skipped if queued, stopped if running
 
     async def stream(self, job: Job):
         "Run a streamed job: yields `('start', prompt_texts)`, `('text', index, piece)`..., `('done', results)`."
@@ -218,7 +242,7 @@ class Batcher:
                 if event[0] == "error": raise event[1]
                 yield event
                 if event[0] == "done": return
-        finally: job.cancelled = True   # a client that disconnects stops its generation at the next chunk
+        finally: self.cancel(job)   # a client that disconnects stops its generation at the next chunk
 
     def stats(self) -> dict:
         return {"queued": self._queued, "max_queue": self.max_queue, "max_batch": self.max_batch, "busy": bool(self.busy),
@@ -229,18 +253,19 @@ class Batcher:
         "Start the worker thread (if not running); `reopen` also restarts a closed batcher (a restarted app)."
         with self._cv:
             if reopen and self._closed and (self._thread is None or not self._thread.is_alive()):
-                self._closed, self._thread = False, None
+                self._closed, self._abort, self._thread = False, False, None
             if self._thread is None and not self._closed:
                 self._thread = threading.Thread(target=self._work, name="meshtx-serve-worker", daemon=True)
                 self._thread.start()
 
-    def close(self, timeout=30.0):
-        "Stop the worker after its current batch; queued jobs get a 503."
+    def close(self, timeout=30.0, abort=False):
+        """Stop taking jobs: queued jobs get a 503 now, and a running stream gets one at its next chunk; a running plain
+        batch finishes, unless `abort` (then it too ends at its next chunk, with a 503). Waits up to `timeout` s for the worker."""
         with self._cv:
-            self._closed = True
+            self._closed, self._abort = True, self._abort or abort
             pending, self._queue, self._queued = list(self._queue), collections.deque(), 0
             self._cv.notify_all()
-        for job in pending: self._fail(job, RequestError("the server is shutting down", status=503, type="server_error"))
+        for job in pending: self._fail(job, _shutting_down())
         if self._thread is not None: self._thread.join(timeout)
 
     # --- the worker side ---------------------------------------------------------------------------------
@@ -307,12 +332,38 @@ class Batcher:
         if isinstance(p, str): return p
         return self.lm.tokenizer.decode(p) if self.lm.tokenizer is not None else ""
 
-    def _options(self, jobs: list[Job]) -> dict:
-        rows = lambda f: [getattr(j, f) for j in jobs for _ in j.ids]
-        return dict(max_new_tokens=rows("max_tokens"), temperature=rows("temperature"), top_p=rows("top_p"),
-                    top_k=rows("top_k"), repetition_penalty=rows("repetition_penalty"),
-                    seed=[(j.seed + i) % 2**32 for j in jobs for i in range(len(j.ids))],
-                    stop=list(jobs[0].stop) if jobs[0].stop else None)
+    def _options(self, rows: list) -> dict:
+        "`generate`'s per-row options for `rows`, `(job, prompt index)` pairs: prompt `i` of a job samples with its seed + i."
+        return dict(max_new_tokens=[j.max_tokens for j, _ in rows], temperature=[j.temperature for j, _ in rows],
+                    top_p=[j.top_p for j, _ in rows], top_k=[j.top_k for j, _ in rows],
+                    repetition_penalty=[j.repetition_penalty for j, _ in rows], seed=[(j.seed + i) % 2**32 for j, i in rows],
+                    stop=list(rows[0][0].stop) if rows[0][0].stop else None)
+
+    def _stopping(self, jobs: list[Job], stream=False) -> bool:
+        "Whether to stop running `jobs`: all their clients are gone, or the server is quitting (or stopping, for a stream)."
+        return all(j.cancelled for j in jobs) or self._abort or (stream and self._closed)
+
+    def _stopped(self, jobs: list[Job]):
+        for job in jobs:
+            if not job.cancelled: self._fail(job, _shutting_down())
+
+    def _open(self, rows: list, stream=False):
+        "Start one `generate` call for `rows` (at most `max_batch`): `stream_chunk` tokens per device call, 4× that if plain."
+        chunk = self.stream_chunk * (1 if stream else 4)   # plain: fewer host round trips; still stops soon after its clients go
+        pieces = self.lm.generate([j.ids[i] for j, i in rows], stream=True, chunk=chunk, **self._options(rows))
+        self.calls += 1; self.batch_sizes[len(rows)] += 1
+        return pieces
+
+    def _drain(self, rows: list, pieces, stream=False, on_piece=None) -> list[dict] | None:
+        "Run `pieces` (from `_open(rows)`) to the end: each row's result; None if it stopped early (see `_stopping`)."
+        jobs = list({id(j): j for j, _ in rows}.values())
+        for k, piece in pieces:   # between chunks: is anybody still waiting?
+            if self._stopping(jobs, stream): pieces.close(); return None
+            if on_piece: on_piece(k, piece)
+        eos, stop = self.lm.eos_token_id, list(rows[0][0].stop or ())   # the text as `generate` gives it (`_finish`)
+        return [dict(text=_cut(self.lm._text(toks, eos), stop)[0], finish_reason=why, completion_tokens=len(toks),
+                     prompt_tokens=len(j.ids[i]), prompt_text=self._prompt_text(j.prompts[i]))
+                for (j, i), why, toks in zip(rows, pieces.finish_reasons, pieces.tokens)]
 
     def _run_batch(self, jobs: list[Job]):
         ready = []
@@ -330,39 +381,39 @@ class Batcher:
         for group in groups: self._generate(group)
 
     def _generate(self, jobs: list[Job]):
-        try: g = self.lm.generate([p for j in jobs for p in j.ids], **self._options(jobs))
-        except ValueError as e:
-            if len(jobs) > 1:
-                for job in jobs: self._generate([job])
-            else: self._fail(jobs[0], RequestError(str(e), _param_of(str(e))))
-            return
-        self.calls += 1; self.batch_sizes[sum(len(j.ids) for j in jobs)] += 1
+        "Run a group's prompts as `generate` calls of at most `max_batch` rows (one job may have more), and answer each job."
+        rows, results = [(j, i) for j in jobs for i in range(len(j.ids))], []
+        for s in range(0, len(rows), self.max_batch):
+            if self._closed or self._stopping(jobs): return self._stopped(jobs)
+            part = rows[s:s + self.max_batch]
+            try: got = self._drain(part, self._open(part))
+            except ValueError as e:
+                if len(jobs) == 1: return self._fail(jobs[0], _as_request_error(e))
+                for job in jobs: self._generate([job])   # retried alone, so that only the bad job gets the error
+                return
+            if got is None: return self._stopped(jobs)
+            results += got
         k = 0
         for job in jobs:
-            results = []
-            for p, ids in zip(job.prompts, job.ids):
-                results.append(dict(text=g.texts[k], finish_reason=g.finish_reasons[k], completion_tokens=len(g.tokens[k]),
-                                    prompt_tokens=len(ids), prompt_text=self._prompt_text(p)))
-                k += 1
-            self._send(job, _resolve, job._done, results)
+            self._send(job, _resolve, job._done, results[k:k + len(job.ids)]); k += len(job.ids)
 
     def _run_stream(self, job: Job):
         if job.cancelled: return
         push = lambda event: self._send(job, job._events.put_nowait, event)
-        try:
-            self._encode(job)
-            pieces = self.lm.generate(job.ids, stream=True, chunk=self.stream_chunk, **self._options([job]))
-        except (RequestError, ValueError) as e:
-            return push(("error", e if isinstance(e, RequestError) else RequestError(str(e), _param_of(str(e)))))
-        self.calls += 1; self.batch_sizes[len(job.ids)] += 1
-        push(("start", [self._prompt_text(p) for p in job.prompts]))
-        texts = [""] * len(job.ids)
-        for i, piece in pieces:
-            if job.cancelled: pieces.close(); return
-            texts[i] += piece
-            push(("text", i, piece))
-        push(("done", [dict(text=t, finish_reason=why, completion_tokens=len(toks), prompt_tokens=len(ids), prompt_text=None)
-                       for t, why, toks, ids in zip(texts, pieces.finish_reasons, pieces.tokens, job.ids)]))
+        try: self._encode(job)
+        except (RequestError, ValueError) as e: return push(("error", _as_request_error(e)))
+        rows, results = [(job, i) for i in range(len(job.ids))], []
+        for s in range(0, len(rows), self.max_batch):   # more prompts than `max_batch`: `max_batch` at a time, in turn
+            if self._stopping([job], stream=True): return self._stopped([job])
+            part = rows[s:s + self.max_batch]
+            try: pieces = self._open(part, stream=True)
+            except ValueError as e: return push(("error", _as_request_error(e)))
+            if s == 0: push(("start", [self._prompt_text(p) for p in job.prompts]))
+            got = self._drain(part, pieces, stream=True, on_piece=lambda k, piece: push(("text", s + k, piece)))
+            if got is None: return self._stopped([job])
+            results += got
+        push(("done", results))
+
 
 # %% ../nbs/10_serve.ipynb #a67f7c67
 async def _read_json(request: Request) -> dict:
@@ -375,6 +426,21 @@ async def _read_json(request: Request) -> dict:
     except RecursionError: raise RequestError("malformed JSON body: nested too deeply") from None
     if not isinstance(body, dict): raise RequestError("the JSON body must be an object")
     return body
+
+async def _disconnected(request: Request):
+    "Return once the client has closed the connection (ASGI's `http.disconnect`; the body was read already)."
+    while (await request.receive())["type"] != "http.disconnect": pass
+
+async def _unless_gone(request: Request, aw):
+    """`await aw`, unless the client disconnects first: then `aw` is cancelled, so that the batcher drops the request's
+    job from its queue (or stops it), and the answer nobody reads is a 499, nginx's "client closed request"."""
+    work, gone = asyncio.ensure_future(aw), asyncio.ensure_future(_disconnected(request))
+    try: await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done(): work.cancel()
+    if work.done() and not work.cancelled(): return work.result()
+    raise RequestError("the client closed the connection", status=499, type="client_closed")
 
 def _sse(data) -> str: return f"data: {json.dumps(data)}\n\n"
 
@@ -411,7 +477,7 @@ def make_app(lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, model_name="m
         if lm.tokenizer is None:   # `context` is text: there is no way to send token ids here
             raise RequestError("this model has no tokenizer, so /complete cannot read context: send token ids to "
                                "/v1/completions", "context")
-        [r] = await batcher.complete(job)
+        [r] = await _unless_gone(request, batcher.complete(job))
         return JSONResponse({"completion": r["text"]})
 
     async def completions(request):
@@ -419,11 +485,11 @@ def make_app(lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, model_name="m
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model_name}
         if job.stream:
             events = batcher.stream(job)
-            first = await anext(events)   # errors before the first token are plain HTTP errors
+            first = await _unless_gone(request, anext(events))   # errors before the first token are plain HTTP errors
             if job.include_usage: meta["usage"] = None
             return StreamingResponse(_event_stream(meta, first, events, echo, job.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        results = await batcher.complete(job)
+        results = await _unless_gone(request, batcher.complete(job))
         choices = [{"text": (r["prompt_text"] if echo else "") + r["text"], "index": i, "logprobs": None,
                     "finish_reason": r["finish_reason"]} for i, r in enumerate(results)]
         return JSONResponse({**meta, "choices": choices, "usage": _usage(results)})
@@ -457,9 +523,24 @@ def make_app(lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, model_name="m
 # %% ../nbs/10_serve.ipynb #c46b3e57
 def serve(lm: LM, host="127.0.0.1", port=8000, log_level="info", announce="meshtx: serving", **app_kwargs):
     """Serve `lm` over HTTP with uvicorn until interrupted; `app_kwargs` go to `make_app`. Once the socket is bound,
-    prints `{announce} on http://HOST:PORT` with the real port (`port=0`: any free one); `announce=None`: nothing."""
+    prints `{announce} on http://HOST:PORT` with the real port (`port=0`: any free one); `announce=None`: nothing.
+    Ctrl-C or SIGTERM answers queued requests with a 503 at once, ends a running stream with an error event, lets the
+    running batch finish and exits; a second Ctrl-C ends that batch too, its requests answered with a 503."""
     import socket, uvicorn
+    app = make_app(lm, **app_kwargs)
+    batcher = app.state.batcher
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            batcher.close(timeout=0)         # now, not after uvicorn has waited for every queued request to be run
+            await super().shutdown(sockets)  # waits for open requests: the running batch (a second Ctrl-C: no more)
+            if self.force_exit:              # that batch stops at its next chunk and is answered (503), not cut off
+                await asyncio.to_thread(batcher.close, 10.0, True)
+                await asyncio.sleep(0.1)         # (its handlers send their answers)
+                await self.lifespan.shutdown()   # which uvicorn skips then, cancelling the app's lifespan with a traceback
+
     with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         h, p = sock.getsockname()[:2]
         if announce: print(f"{announce} on http://{f'[{h}]' if ':' in h else h}:{p}", flush=True)
-        uvicorn.Server(uvicorn.Config(make_app(lm, **app_kwargs), host=host, port=p, log_level=log_level)).run(sockets=[sock])
+        Server(uvicorn.Config(app, host=host, port=p, log_level=log_level)).run(sockets=[sock])
+

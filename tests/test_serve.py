@@ -1,5 +1,5 @@
 """`meshtx serve` as a user runs it: a real server process on 127.0.0.1, real HTTP clients, the `openai` client."""
-import json, os, re, shutil, subprocess, sys, tempfile, threading, time
+import json, os, re, shutil, signal, subprocess, sys, tempfile, threading, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import httpx
@@ -54,14 +54,16 @@ class Server:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    "Two servers, started together: the defaults, and a quiet one with room for one running and one queued prompt."
+    """Three servers, started together: the defaults, a quiet one with room for one running and one queued prompt
+    (and batches of one), and one with the defaults for a test to stop."""
     log_dir = tmp_path_factory.mktemp("serve-logs")
     started = []
     try:
         started.append(Server(log_dir))
         started.append(Server(log_dir, "--max-batch", 1, "--max-queue", 1, "--batch-wait-ms", 0, "-q"))
+        started.append(Server(log_dir))
         for s in started: s.wait_ready()
-        yield {"main": started[0], "tight": started[1]}
+        yield {"main": started[0], "tight": started[1], "to_stop": started[2]}
     finally:
         for s in started: s.stop()
 
@@ -209,3 +211,67 @@ def test_serve_needs_a_model(tmp_path):
     exe = shutil.which("meshtx") or str(Path(sys.executable).parent / "meshtx")
     r = subprocess.run([exe, "serve"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--model" in r.stderr and "--preset" in r.stderr
+
+
+def test_a_request_with_more_prompts_than_max_batch_is_split(server, demo):
+    before = server.stats()["batch_sizes"]   # --max-batch 8: ten prompts are two generate calls, of 8 and 2 rows
+    r = server.post("/v1/completions", json={"prompt": PROMPTS[:10], "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == [greedy(demo, p, 4).texts[0] for p in PROMPTS[:10]]
+    after = server.stats()["batch_sizes"]
+    assert {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)} == {"8": 1, "2": 1}, (before, after)
+
+
+def test_a_queued_request_whose_client_gave_up_is_not_run(servers):
+    tight = servers["tight"]          # one prompt running, one queued
+    before = tight.stats()["generate_calls"]
+    long = {"prompt": PROMPTS[1], "max_tokens": 480, "temperature": 0}
+    with ThreadPoolExecutor(1) as ex:
+        running = ex.submit(tight.post, "/v1/completions", json=long)
+        deadline = time.monotonic() + 60
+        while not tight.stats()["busy"]:
+            assert time.monotonic() < deadline and not running.done()
+            time.sleep(0.02)
+        with pytest.raises(httpx.TimeoutException):   # queued behind it; the client leaves after 0.3 s
+            httpx.post(f"{tight.url}/v1/completions", json=long, timeout=0.3)
+        while tight.stats()["queued"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert tight.stats()["busy"] and not running.done()   # it left the queue while the first still ran
+        assert running.result().status_code == 200
+    time.sleep(0.5)
+    stats = tight.stats()
+    assert stats["generate_calls"] - before == 1 and not stats["busy"], stats
+
+
+def test_sigterm_answers_queued_requests_at_once_ends_the_stream_and_exits(servers):
+    s = servers["to_stop"]
+    lines, started = [], threading.Event()
+    def running():                    # a stream of 8 x 480 tokens: still running when the signal comes
+        with httpx.stream("POST", f"{s.url}/v1/completions", timeout=120, json={
+                "prompt": [PROMPTS[2]] * 8, "max_tokens": 480, "temperature": 0, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line: lines.append(line); started.set()
+    def queued(stream):
+        r = s.post("/v1/completions", json={"prompt": PROMPTS[3], "max_tokens": 8, "stream": stream})
+        return r.status_code, r.json()["error"]["message"], time.monotonic()
+    with ThreadPoolExecutor(3) as ex:
+        stream = ex.submit(running)
+        assert started.wait(120), s.output()
+        waiting = [ex.submit(queued, False), ex.submit(queued, True)]
+        deadline = time.monotonic() + 10
+        while s.stats()["queued"] < 2:
+            assert time.monotonic() < deadline, s.stats()
+            time.sleep(0.02)
+        assert s.stats()["busy"] and not stream.done()
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        answers = [w.result(30) for w in waiting]
+        s.proc.wait(30)
+        exited = time.monotonic() - t0
+        stream.result(30)
+    assert [a[:2] for a in answers] == [(503, "the server is shutting down")] * 2, answers
+    assert max(a[2] for a in answers) - t0 < 3, answers          # at once, not after the running stream
+    assert exited < 10, exited
+    assert lines[-1] == "data: [DONE]" and "the server is shutting down" in lines[-2], lines[-3:]
+    assert "Traceback" not in s.output(), s.output()
