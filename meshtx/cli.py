@@ -6,12 +6,12 @@ Docs: https://meshtx.github.io/meshtx/cli.html.md"""
 
 # %% ../nbs/12_cli.ipynb #3cc84568
 from __future__ import annotations
-import argparse, importlib.metadata, os, platform, signal, socket, sys, threading
+import argparse, importlib.metadata, os, platform, re, signal, socket, sys, threading
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['info', 'cmd_info', 'cmd_convert', 'cmd_sample', 'cmd_demo', 'cmd_eval', 'cmd_prepare_data', 'cmd_train',
-           'cmd_finetune', 'cmd_plan', 'cmd_serve', 'parser', 'main']
+__all__ = ['info', 'cmd_info', 'cmd_convert', 'unescape_stop', 'escape_stop', 'cmd_sample', 'cmd_demo', 'cmd_eval',
+           'cmd_prepare_data', 'cmd_train', 'cmd_finetune', 'cmd_plan', 'cmd_serve', 'parser', 'main']
 
 # %% ../nbs/12_cli.ipynb #65e97fde
 _PKGS = ("meshtx", "jax", "jaxlib", "dm-haiku", "optax", "transformers", "safetensors", "torch")
@@ -42,6 +42,19 @@ def _stored_dtype(path) -> str:
     dt = c.get("dtype") or c.get("torch_dtype")
     return dt if dt in ("float32", "bfloat16", "float16") else "float32"
 
+def _mtj_stored_dtype(path, config) -> str:
+    "The dtype an original `step_N/` checkpoint stores its weights in: bfloat16 (or float16) if slim, float32 if full."
+    from contextlib import ExitStack
+    from meshtx.checkpoint import _MtjShard, _mtj_param_names, _filesystem
+    try:
+        fs, root = _filesystem(path)
+        with ExitStack() as stack:
+            shard = _MtjShard(fs, f"{root}/shard_0", stack)
+            n = len(_mtj_param_names(config.n_layer))   # slim: params, step; full: 2n + 2 optimizer leaves first
+            dt = str(shard.read(0 if len(shard.leaves) == n + 1 else 2 * n + 2).dtype)
+    except Exception: return "float32"   # not readable as one: load_mtj_checkpoint says why
+    return dt if dt in ("float32", "bfloat16", "float16") else "float32"
+
 def cmd_convert(args) -> int:
     from meshtx.lm import LM, resolve_checkpoint
     from meshtx.weights import is_meshtx_checkpoint
@@ -49,8 +62,9 @@ def cmd_convert(args) -> int:
         from meshtx.config import ModelConfig
         from meshtx.checkpoint import load_mtj_checkpoint
         from meshtx.tokenizer import gpt2_tokenizer
-        dtype = args.dtype or "float32"
-        config = ModelConfig.from_mtj(args.mtj_config, param_dtype=dtype, compute_dtype=dtype)
+        config = ModelConfig.from_mtj(args.mtj_config)
+        dtype = args.dtype or _mtj_stored_dtype(args.src, config)
+        config = config.replace(param_dtype=dtype, compute_dtype=dtype)
         lm = LM(config, load_mtj_checkpoint(args.src, config), gpt2_tokenizer() if config.n_vocab >= 50257 else None)
         to = args.to or "hf"
     else:
@@ -71,17 +85,41 @@ def _load_model(args):
     if not args.model: raise ValueError("give --model (hub id, HF directory or meshtx checkpoint) or --preset")
     return LM.load(args.model, dtype=args.dtype, progress=not args.quiet)
 
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+def unescape_stop(text: str) -> str:
+    "A stop sequence as typed on one line: `\\n`, `\\t`, `\\r` become a newline, tab, carriage return, `\\\\` a backslash."
+    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m[1]], text)
+
+def escape_stop(text: str) -> str:
+    "The inverse of `unescape_stop`: a stop sequence written on one line (for a text box)."
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
+
+def _dropped(lm, prompt: str, max_new_tokens: int) -> int:
+    "How many tokens `generate(..., truncate='left')` cuts from the start of `prompt`."
+    room = lm.config.n_ctx - max_new_tokens
+    return max(0, len(lm.tokenizer(prompt).input_ids) - room) if room > 0 else 0
+
 def cmd_sample(args) -> int:
     import meshtx.sampling  # noqa: F401  (adds LM.generate)
+    import secrets
     lm = _load_model(args)
     if lm.tokenizer is None:
         raise ValueError(f"preset {args.preset!r} has no tokenizer, and `meshtx sample` reads text: use --preset demo, or a model "
                          "saved with its tokenizer" if args.preset else
                          "this model has no tokenizer, and `meshtx sample` reads text: save the model with its tokenizer")
+    seed = args.seed
+    if seed is None:   # a fresh seed each run, said so that a good sample can be had again with --seed
+        seed = secrets.randbelow(2**31)
+        if not args.quiet: print(f"seed: {seed}", file=sys.stderr, flush=True)
     opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                repetition_penalty=args.repetition_penalty, stop=args.stop or None, seed=args.seed, truncate="left")
+                repetition_penalty=args.repetition_penalty, stop=[unescape_stop(s) for s in args.stop] if args.stop else None,
+                seed=seed, truncate="left")
     def run(prompt):
         pieces = lm.generate(prompt, stream=True, **opts)   # checks the prompt and the options before anything prints
+        if n := _dropped(lm, prompt, args.max_new_tokens):
+            print(f"meshtx: warning: the prompt is {n} tokens too long for n_ctx={lm.config.n_ctx} with "
+                  f"--max-new-tokens {args.max_new_tokens}: its first {n} tokens were dropped", file=sys.stderr, flush=True)
         if not args.quiet: print(prompt, end="", flush=True)
         try:
             for _, piece in pieces: print(piece, end="", flush=True)
@@ -125,13 +163,16 @@ def cmd_train(args) -> int:
     t = train(args.config, progress=not args.quiet)
     return 0 if t.history else 1
 
+def _lora_config(args):
+    "The `LoRAConfig` that `finetune --lora` asks for: what it does not say is `LoRAConfig`'s default, as in Python."
+    if args.lora is None: return None
+    from meshtx.config import LoRAConfig
+    return LoRAConfig(rank=args.lora, **({} if args.lora_alpha is None else {"alpha": args.lora_alpha}),
+                      **({"targets": tuple(args.lora_targets.split(","))} if args.lora_targets else {}))
+
 def cmd_finetune(args) -> int:
     from meshtx.runs import finetune
-    lora = None
-    if args.lora is not None:
-        from meshtx.config import LoRAConfig
-        lora = LoRAConfig(rank=args.lora, alpha=args.lora_alpha or 2.0 * args.lora,
-                          targets=tuple(args.lora_targets.split(",")) if args.lora_targets else LoRAConfig().targets)
+    lora = _lora_config(args)
     r = finetune(args.model, args.data, args.out, lora=lora, steps=args.steps, batch=args.batch, seq=args.seq,
                  accum=args.accum, lr=args.lr, val_fraction=args.val_fraction, seed=args.seed, dtype=args.dtype,
                  remat=not args.no_remat, save_every=args.save_every, progress=not args.quiet)
@@ -212,9 +253,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int)
     s.add_argument("--top-p", type=float, default=0.9)
     s.add_argument("--repetition-penalty", type=float)
-    s.add_argument("--stop", action="append", help="a stop sequence (repeatable)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("-q", "--quiet", action="store_true", help="print only the generated text")
+    s.add_argument("--stop", action="append", help="a stop sequence (repeatable); \\n, \\t, \\r are a newline, tab, carriage "
+                   "return and \\\\ a backslash, so --stop '\\n' stops at the end of a line")
+    s.add_argument("--seed", type=int, help="sampling seed (default: a fresh one each run, printed to stderr as 'seed: N')")
+    s.add_argument("-q", "--quiet", action="store_true", help="print only the generated text (no prompt echo, no seed)")
     s.set_defaults(func=cmd_sample)
     s = sub.add_parser("convert", help="Hugging Face directory <-> meshtx checkpoint")
     s.add_argument("src", help="source: a Hugging Face directory / hub id, or a meshtx checkpoint")
@@ -243,7 +285,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--data", required=True, nargs="+", help="text/jsonl files or folders, or a prepared dataset")
     s.add_argument("--out", default="meshtx-finetune", help="output directory (checkpoints, model, adapters, loss.png)")
     s.add_argument("--lora", type=int, nargs="?", const=8, help="train LoRA adapters of this rank (default 8) instead of all weights")
-    s.add_argument("--lora-alpha", type=float, help="LoRA scale numerator (default 2 × rank)")
+    s.add_argument("--lora-alpha", type=float, help="LoRA scale numerator: adapters are scaled by alpha / rank "
+                   "(default 2 × rank, as LoRAConfig)")
     s.add_argument("--lora-targets", help="comma-separated: q,k,v,out,fc_in,fc_out (default all)")
     s.add_argument("--steps", type=_positive, default=100, help="optimizer steps (default 100)")
     s.add_argument("--batch", type=_positive, default=8, help="sequences per micro-batch (global; default 8); a step trains batch × accum")
@@ -292,6 +335,19 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
     return p
 
+_JOB_VARS = ("MESHTX_COORDINATOR", "MESHTX_NUM_PROCESSES", "MESHTX_PROCESS_ID")
+
+def _join_job():
+    "Join the multi-process JAX job the `MESHTX_*` environment variables describe, if any (before JAX is used)."
+    given = {k: os.environ[k] for k in _JOB_VARS if os.environ.get(k)}
+    if not given: return
+    for k in _JOB_VARS[1:]:
+        if k in given and not given[k].isdigit(): raise ValueError(f"{k}={given[k]!r} must be a whole number")
+    from meshtx.distributed import initialize
+    try: initialize()   # reads the same variables
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(f"could not join the job ({', '.join(f'{k}={v}' for k, v in given.items())}): {e}") from None
+
 def main(argv=None) -> int:
     "Entry point of the `meshtx` console script."
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
@@ -305,7 +361,9 @@ def main(argv=None) -> int:
     # SIGTERM (a scheduler, a preempted VM) unwinds like Ctrl-C: staging folders and temporary files are removed
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread: previous = signal.signal(signal.SIGTERM, _terminated)
-    try: return args.func(args)
+    try:
+        _join_job()
+        return args.func(args)
     except BrokenPipeError:   # `meshtx plan | head`: the reader left; nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -214,13 +214,14 @@ LORA_TARGETS = ("q", "k", "v", "out", "fc_in", "fc_out")
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    "Low-rank adapters: `rank`, scale `alpha / rank`, and which weight matrices get them."
+    "Low-rank adapters: `rank`, scale `alpha / rank` (alpha default 2 × rank), and which weight matrices get them."
     rank: int = 8
-    alpha: float = 16.0
+    alpha: float | None = None   # None: 2 × rank, so the scale is 2 at every rank (alpha 16 at the default rank 8)
     targets: tuple = LORA_TARGETS
 
     def __post_init__(self):
         _check_positive("rank", self.rank)
+        if self.alpha is None: object.__setattr__(self, "alpha", 2.0 * self.rank)
         if not (isinstance(self.alpha, (int, float)) and self.alpha > 0):
             raise ValueError(f"alpha={self.alpha!r} must be a positive number")
         targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)

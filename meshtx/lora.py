@@ -74,8 +74,9 @@ def merge_adapters(params: dict, lora: LoRAConfig) -> dict:
 def merge_lora(self: LM) -> LM:
     "Fold this model's adapters into its weights, in place (the base weights are replaced); returns the model."
     if self.lora is None: raise ValueError("this model has no LoRA adapters to merge")
-    params = merge_adapters(self.params, self.lora)
-    self.__init__(self.config, params, self.tokenizer, self.mesh, None)
+    with self.lock:   # the merge takes (donates) the weights: not while another thread generates or trains
+        params = merge_adapters(self.params, self.lora)
+        self.__init__(self.config, params, self.tokenizer, self.mesh, None)
     return self
 
 # %% ../nbs/07a_lora.ipynb #fd51122f

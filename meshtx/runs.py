@@ -6,20 +6,20 @@ Docs: https://meshtx.github.io/meshtx/runs.html.md"""
 
 # %% ../nbs/08b_runs.ipynb #b0977128
 from __future__ import annotations
-import functools, itertools, json, os, warnings
+import functools, itertools, json, os, re, warnings
 from pathlib import Path
 import jax
 from .config import ModelConfig, LoRAConfig, MTJ_MODEL_KEYS, MTJ_OTHER_KEYS
 from .lm import LM
 from .data import (TokenData, Loader, prepare_data, filesystem, resolve_tokenizer, is_remote, check_bucket,
-                         source_files, sources_digest, tokenizer_fingerprint)
+                         source_files, sources_digest, tokenizer_fingerprint, read_index)
 from .checkpoint import Checkpointer
 from .sharding import make_mesh
 from .distributed import is_main_process, sync, share
 from .train import Trainer
 
 # %% auto #0
-__all__ = ['RUN_KEYS', 'RUN_DEFAULTS', 'default_compute_dtype', 'load_run_config', 'dataset', 'train', 'finetune']
+__all__ = ['RUN_KEYS', 'RUN_DEFAULTS', 'default_compute_dtype', 'load_run_config', 'dataset', 'train', 'default_lr', 'finetune']
 
 # %% ../nbs/08b_runs.ipynb #c89b42f7
 RUN_KEYS = {"model", "lora", "keep", "seed", "optimizer", "param_dtype", "mu_dtype", "compute_dtype", "tokenizer",
@@ -28,14 +28,54 @@ RUN_DEFAULTS = dict(per_replica_batch=1, gradient_accumulation_steps=1, cores_pe
                     anneal_steps=None, lr=1e-4, end_lr=None, weight_decay=0.1, val_every=None, val_batches=None,
                     ckpt_every=None, keep_every=None, keep=3, seed=0, optimizer="adamw", param_dtype="float32",
                     mu_dtype=None, compute_dtype=None, lora=None, val_set=None, tokenizer=None, val_fraction=0.0,
-                    remat=None)
+                    remat=None, bucket=None, eval_harness_tasks=None)
 
 def default_compute_dtype() -> str:
     "bfloat16 on accelerators (where it is fast), float32 on CPU (where bf16 matmuls are slow and gain nothing)."
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
+_INTS = {"total_steps": 1, "per_replica_batch": 1, "gradient_accumulation_steps": 1, "cores_per_replica": 1,
+         "warmup_steps": 0, "anneal_steps": 1, "val_every": 1, "val_batches": 1, "ckpt_every": 1, "keep_every": 1,
+         "keep": 1, "seed": 0, **{k: 1 for k in MTJ_MODEL_KEYS}}   # key: its smallest value
+_NULLABLE = {"anneal_steps", "val_every", "val_batches", "ckpt_every", "keep_every", "keep", "end_lr",
+             "bucket", "mu_dtype", "compute_dtype", "tokenizer", "lora", "val_set", "remat"}
+_STRINGS = ("model_dir", "model", "bucket", "optimizer", "param_dtype", "mu_dtype", "compute_dtype", "tokenizer")
+
+def _is_paths(v) -> bool: return (isinstance(v, str) and v != "") or (
+    isinstance(v, list) and v != [] and all(isinstance(s, str) and s for s in v))
+
+def _check_types(cfg: dict, where: str):
+    "Refuse a value of the wrong type now, naming its key, rather than as a traceback deep inside training."
+    def bad(key, what): raise ValueError(f"{where}: {key}={cfg[key]!r} must be {what}")
+    for key, v in cfg.items():
+        if v is None and key in _NULLABLE: continue
+        if key in _INTS and (isinstance(v, bool) or not isinstance(v, int) or v < _INTS[key]):
+            bad(key, "a positive integer" if _INTS[key] else "an integer ≥ 0")
+        if key in _STRINGS and not (isinstance(v, str) and v): bad(key, "a non-empty string")
+    lora = cfg["lora"]
+    if lora is not None:
+        if isinstance(lora, bool) or not isinstance(lora, (int, dict)): bad("lora", "a rank (an integer) or a dict of LoRAConfig fields")
+        try: LoRAConfig(rank=lora) if isinstance(lora, int) else LoRAConfig.from_dict(lora)
+        except (ValueError, TypeError) as e: raise ValueError(f"{where}: lora={lora!r}: {e}") from None
+    if not _is_paths(cfg["train_set"]): bad("train_set", "a path (a prepared dataset, files or folders, an .index file) or a list of them")
+    vs = cfg["val_set"]
+    if vs is not None and not _is_paths(vs) and not (isinstance(vs, dict) and vs and all(
+            isinstance(n, str) and re.fullmatch(r"[\w.-]+", n) and _is_paths(p) for n, p in vs.items())):
+        bad("val_set", "a path, a list of paths, or {name: path} for several sets (names of letters, digits, _ . -)")
+
+def _data_path(p: str) -> str:
+    "`p` as given if it exists, else `data/<p>` if that exists (where the original looked for its sets), else `p`."
+    if is_remote(p) or os.path.isabs(p) or os.path.exists(p) or not os.path.exists(f"data/{p}"): return p
+    return f"data/{p}"
+
+def _resolve(spec):
+    "`_data_path` applied to every path of a train_set or val_set (a path, a list, or a dict of either)."
+    if isinstance(spec, dict): return {n: _resolve(p) for n, p in spec.items()}
+    return [_data_path(p) for p in spec] if isinstance(spec, list) else _data_path(spec)
+
 def load_run_config(run) -> dict:
-    "A run config (a dict or a JSON file) checked and completed with defaults."
+    """A run config (a dict or a JSON file) checked and completed with defaults. As in the original, `model_dir` is
+    inside `gs://{bucket}/` when `bucket` is set, and a set's path not found as given is looked up under `data/`."""
     where = "run config"
     if isinstance(run, (str, os.PathLike)):
         where = os.fspath(run)
@@ -52,13 +92,19 @@ def load_run_config(run) -> dict:
         raise ValueError(f"{where}: give 'model' (a checkpoint to start from) or the model's shape "
                          "('layers', 'd_model', 'n_heads', 'n_vocab')")
     cfg = {**RUN_DEFAULTS, **run}
-    for key in ("total_steps", "per_replica_batch", "gradient_accumulation_steps", "cores_per_replica"):
-        if not isinstance(cfg[key], int) or cfg[key] < 1: raise ValueError(f"{where}: {key}={cfg[key]!r} must be a positive integer")
+    _check_types(cfg, where)
     for key in ("lr", "end_lr", "weight_decay", "val_fraction"):   # numbers, or a type error deep inside the optimizer
         v = cfg[key]
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
             raise ValueError(f"{where}: {key}={v!r} must be a number ≥ 0")
     if cfg["remat"] not in (None, True, False): raise ValueError(f"{where}: remat={cfg['remat']!r} must be true, false or null")
+    if cfg["bucket"]:   # the original wrote to gs://{bucket}/{model_dir}
+        if "://" in cfg["model_dir"]:
+            raise ValueError(f"{where}: model_dir={cfg['model_dir']!r} is a URL, and bucket={cfg['bucket']!r} is set: "
+                             "give model_dir as a path inside the bucket, or leave bucket out")
+        cfg["model_dir"] = f"gs://{cfg['bucket'].strip('/')}/{cfg['model_dir'].strip('/')}"
+    cfg["train_set"] = _resolve(cfg["train_set"])
+    if cfg["val_set"] is not None: cfg["val_set"] = _resolve(cfg["val_set"])
     return cfg
 
 # %% ../nbs/08b_runs.ipynb #2ab2f03c
@@ -72,9 +118,7 @@ def _sources(spec):
     specs = spec if isinstance(spec, (list, tuple)) else [spec]
     out = []
     for s in specs:
-        if str(s).endswith(".index"):
-            fs, p = filesystem(s)
-            out += [line.strip() for line in fs.cat_file(p).decode().splitlines() if line.strip()]
+        if str(s).endswith(".index"): out += read_index(s)
         else: out.append(s)
     return out
 
@@ -144,6 +188,20 @@ def _model(cfg) -> LM:
     return LM.init(config, seed=cfg["seed"], tokenizer=tokenizer if tokenizer is not None else "auto", dtype="float32",
                    compute_dtype=compute)
 
+def _save_model(lm: LM, model_path, adapters_path):
+    """Leave a trained `lm` where every command can read it: with LoRA, its adapters alone in `adapters_path`, then
+    merged into the weights (in place); the model as a Hugging Face checkpoint in `model_path`. Across processes,
+    each gathers the weights and process 0 writes."""
+    if lm.lora is not None:
+        if is_main_process(): lm.save_adapters(adapters_path)
+        lm.merge_lora()
+    out = lm
+    if jax.process_count() > 1:   # weights split over hosts: gathered whole (one tensor at a time on the devices)
+        from jax.experimental import multihost_utils
+        out = LM(lm.config, jax.tree.map(lambda x: multihost_utils.process_allgather(x, tiled=True), lm.params), lm.tokenizer)
+    if is_main_process(): out.save_hf(model_path, progress=False)
+    sync(f"save {model_path}")
+
 def train(run, log=None, progress: bool = False) -> Trainer:
     "Run (or resume) the training described by `run` (a dict or JSON file, original keys); returns the `Trainer`."
     log = log or functools.partial(print, flush=True)
@@ -164,19 +222,24 @@ def train(run, log=None, progress: bool = False) -> Trainer:
     train_data = dataset(cfg["train_set"], f"{model_dir}/data/train", tok, seq, cfg["val_fraction"], cfg["seed"], progress,
                          lm.config.n_vocab, replace=not resume, run_dir=model_dir)
     loader = Loader(train_data, batch, cfg["gradient_accumulation_steps"], seed=cfg["seed"])
-    val = None
-    if cfg["val_set"]:
-        vs = cfg["val_set"]
-        vs = next(iter(vs.values())) if isinstance(vs, dict) else vs    # the original: {name: index}
-        val = Loader(dataset(vs, f"{model_dir}/data/val", tok, seq, 0.0, cfg["seed"], progress, lm.config.n_vocab,
-                             replace=not resume, run_dir=model_dir), batch, split="train", loop=False)
+    vals = {}   # log key: validation batches
+    if cfg["val_set"]:   # the original's {name: index} logs one loss per name; one set logs val_loss
+        named = cfg["val_set"] if isinstance(cfg["val_set"], dict) else {"": cfg["val_set"]}
+        for name, spec in named.items():
+            key, where = ("val_loss", f"{model_dir}/data/val") if len(named) == 1 else (f"val_loss_{name}", f"{model_dir}/data/val-{name}")
+            vals[key] = Loader(dataset(spec, where, tok, seq, 0.0, cfg["seed"], progress, lm.config.n_vocab,
+                                       replace=not resume, run_dir=model_dir), batch, split="train", loop=False)
     elif n_val := train_data.n("val"):   # fewer held-out windows than a batch: smaller batches (whole per process)
         per = jax.process_count()
-        if (val_batch := min(batch, n_val) // per * per): val = Loader(train_data, val_batch, split="val")
-    if val is None and cfg["val_every"]:
+        if (val_batch := min(batch, n_val) // per * per): vals["val_loss"] = Loader(train_data, val_batch, split="val")
+    if not vals and cfg["val_every"]:
         warnings.warn(f"val_every={cfg['val_every']}, but there is no validation data (no val_set, and "
                       f"{train_data.n('val')} held-out windows of train_set): the run logs no val_loss")
-    if val is not None and cfg["val_batches"]: val = list(itertools.islice(iter(val), cfg["val_batches"]))
+    if cfg["val_batches"]: vals = {k: list(itertools.islice(iter(v), cfg["val_batches"])) for k, v in vals.items()}
+    if cfg["eval_harness_tasks"]:
+        warnings.warn(f"eval_harness_tasks={cfg['eval_harness_tasks']!r} are not run by `meshtx train`: evaluate the model it "
+                      f"leaves with `meshtx eval --model meshtx --model_args pretrained={model_dir}/model --tasks ...`")
+    val = next(iter(vals.values()), None)
     t = Trainer(lm, loader, val, lr=cfg["lr"], end_lr=cfg["end_lr"], warmup_steps=cfg["warmup_steps"],
                 anneal_steps=cfg["anneal_steps"], total_steps=cfg["total_steps"], weight_decay=cfg["weight_decay"],
                 optimizer=cfg["optimizer"], param_dtype=cfg["param_dtype"], mu_dtype=cfg["mu_dtype"], lora=lora,
@@ -184,15 +247,24 @@ def train(run, log=None, progress: bool = False) -> Trainer:
                 remat=cfg["remat"])
     if resume: log(json.dumps({"resumed_from": t.restore()}))
     total, ckpt_every, val_every = cfg["total_steps"], cfg["ckpt_every"], cfg["val_every"]
+    trained = len(t.history) < total
     while len(t.history) < total:
         rec = t.step()
         n = rec["step"]
-        if val is not None and val_every and n % val_every == 0: rec["val_loss"] = t.evaluate()
+        if val_every and n % val_every == 0: rec.update({k: t.evaluate(v) for k, v in vals.items()})
         if is_main_process(): log(json.dumps(rec))
         if (ckpt_every and n % ckpt_every == 0) or n == total: t.save()
+    fs, p = filesystem(f"{model_dir}/model")
+    if trained or not fs.exists(f"{p}/config.json"):   # the model other commands read (sample, serve, eval, convert)
+        _save_model(lm, f"{model_dir}/model", f"{model_dir}/adapters")
+        if is_main_process(): log(json.dumps({"model": f"{model_dir}/model", **({"adapters": f"{model_dir}/adapters"} if lora else {})}))
     return t
 
 # %% ../nbs/08b_runs.ipynb #1715c9b7
+def default_lr(lora) -> float:
+    "The peak learning rate a fine-tune uses unless told: 3e-4 for LoRA adapters, 3e-5 for the whole model."
+    return 3e-4 if lora else 3e-5
+
 def finetune(model, data, out, *, lora: LoRAConfig | int | None = None, steps: int = 100, batch: int = 8,
              seq: int | None = None, accum: int = 1, lr: float | None = None, warmup_steps: int | None = None,
              val_fraction: float = 0.05, seed: int = 0, dtype=None, remat: bool = True, save_every: int | None = None,
@@ -222,7 +294,7 @@ def finetune(model, data, out, *, lora: LoRAConfig | int | None = None, steps: i
                    replace=resumed is None, run_dir=str(out))   # a resume trains on the data it started on, or refuses
     if jax.device_count() > 1: lm.shard(make_mesh(config=lm.config, mode="lora" if lora else "train"))
     val = Loader(data, min(batch, data.n("val")), split="val") if data.n("val") else None
-    lr = lr if lr is not None else (3e-4 if lora else 3e-5)
+    lr = lr if lr is not None else default_lr(lora)
     t = Trainer(lm, Loader(data, batch, accum, seed=seed), val, lr=lr, warmup_steps=steps // 10 if warmup_steps is None else warmup_steps,
                 total_steps=steps, lora=lora, checkpoint_dir=str(child("checkpoints")), progress=progress, seed=seed,
                 remat=remat, **({} if lora or dtype is None else dict(param_dtype=dtype, mu_dtype=dtype)))
@@ -239,10 +311,7 @@ def finetune(model, data, out, *, lora: LoRAConfig | int | None = None, steps: i
     if after is not None: log(f"held-out loss after {steps} steps: {after:.4f}")
     if Checkpointer(child("checkpoints")).latest() != len(t.history): t.save()   # unless save_every just saved it
     t.plot(child("loss.png"))
-    if lm.lora is not None:
-        lm.save_adapters(child("adapters"))
-        lm.merge_lora()
-    lm.save_hf(child("model"), progress=False)
+    _save_model(lm, child("model"), child("adapters"))
     log(f"fine-tuned model: {child('model')}" + (f"   adapters: {child('adapters')}" if lora else ""))
     return {"val_loss_before": before, "val_loss_after": after, "steps": steps, "model": str(child("model")),
             "checkpoints": str(child("checkpoints"))}

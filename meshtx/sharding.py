@@ -44,12 +44,14 @@ def choose_axes(n_devices: int, dp=None, fsdp=None, mp=None, config: ModelConfig
     if mp is None:
         mp = max(d for d in _divisors(free) if _mp_ok(config, d)) if mode == "infer" else 1
         free //= mp
-    if fsdp is None:
-        fsdp = free if mode != "infer" and dp is None else 1
+    chose_fsdp = fsdp is None and (mode != "infer" or dp is not None)
+    if fsdp is None:   # training (or dp given): as much fsdp as divides both the free devices and d_model; the rest to dp
+        fsdp = max(d for d in _divisors(free) if config is None or config.d_model % d == 0) if chose_fsdp else 1
         free //= fsdp
     if dp is None: dp, free = free, 1
     if dp * fsdp * mp != n_devices:
-        raise ValueError(f"dp×fsdp×mp = {dp}×{fsdp}×{mp} = {dp * fsdp * mp}, but there are {n_devices} devices; "
+        limit = f" (fsdp must divide d_model={config.d_model})" if chose_fsdp and config is not None else ""
+        raise ValueError(f"dp×fsdp×mp = {dp}×{fsdp}×{mp} = {dp * fsdp * mp}, but there are {n_devices} devices{limit}; "
                          f"leave one size out to use them all, or pass devices=jax.devices()[:{dp * fsdp * mp}]")
     if config is not None:
         if not _mp_ok(config, mp):

@@ -12,6 +12,8 @@ import ipywidgets as W
 from .lm import LM
 from .train import Trainer
 from .lora import split_adapters
+from .runs import default_lr
+from .cli import escape_stop, unescape_stop
 
 # %% auto #0
 __all__ = ['SAMPLER_DEFAULTS', 'SamplerController', 'SamplerWidget', 'FinetuneController', 'FinetuneWidget']
@@ -132,7 +134,7 @@ class SamplerWidget(W.VBox):
         self.seed = _tag(W.IntText(value=0 if o["seed"] is None else o["seed"], description="seed"), "seed")
         self.new_seed = _tag(W.Checkbox(value=o["seed"] is None, description="new seed each time", indent=False), "new-seed")
         stops = [o["stop_at"]] if isinstance(o["stop_at"], str) else list(o["stop_at"] or [])
-        self.stop_at = _tag(W.Text(value="|".join(s.replace("\n", "\\n").replace("\t", "\\t") for s in stops),
+        self.stop_at = _tag(W.Text(value="|".join(escape_stop(s) for s in stops),
                                    description="stop at", placeholder="e.g. \\n\\n|END  (| separates several)"), "stop-at")
         self.generate_button = _tag(W.Button(description="Generate", button_style="primary", icon="play"), "generate")
         self.stop_button = _tag(W.Button(description="Stop", icon="stop", disabled=True), "stop")
@@ -153,8 +155,7 @@ class SamplerWidget(W.VBox):
                                      top_k=self.top_k.value, max_new_tokens=self.max_tokens.value,
                                      repetition_penalty=self.repetition_penalty.value,
                                      seed=None if self.new_seed.value else self.seed.value,
-                                     stop_at=[s.replace("\\n", "\n").replace("\\t", "\t")
-                                              for s in self.stop_at.value.split("|") if s] or None)
+                                     stop_at=[unescape_stop(s) for s in self.stop_at.value.split("|") if s] or None)
         except Exception as e:
             self.error.value = f"<span style='color:#b00'>{_message(e)}</span>"
             return
@@ -308,9 +309,12 @@ class FinetuneWidget(W.VBox):
         self.upload = _tag(W.FileUpload(accept=".txt,.jsonl,.md,.gz,.zst", multiple=True), "upload")
         self.seq = W.BoundedIntText(value=min(256, lm.config.n_ctx), min=8, max=lm.config.n_ctx, description="seq")
         self.batch = W.BoundedIntText(value=8, min=1, max=4096, description="batch")
-        self.lr = W.FloatText(value=3e-4, description="lr")
+        self.lr = W.FloatText(value=default_lr(lora=True), description="lr")
         self.steps = W.BoundedIntText(value=total_steps or 200, min=1, max=10**7, description="steps")
         self.lora_rank = W.BoundedIntText(value=8, min=0, max=1024, description="LoRA rank (0: full)")
+        def follow_rank(change):   # lr follows `finetune`'s default for the kind of fine-tune, unless the user set it
+            if self.lr.value == default_lr(change["old"] > 0): self.lr.value = default_lr(change["new"] > 0)
+        self.lora_rank.observe(follow_rank, names="value")
         self.build_button = _tag(W.Button(description="Prepare data", icon="cogs"), "prepare")
         self.build_button.on_click(lambda _: self.build(lm))
         return W.VBox([W.HBox([self.data_path, self.upload]), W.HBox([self.seq, self.batch, self.lr]),

@@ -67,3 +67,92 @@ def test_sigterm_during_prepare_data_leaves_no_staging_folder(tmp_path):
     _, err = p.communicate(timeout=60)
     assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err[-2000:])
     assert not list(tmp_path.glob(".meshtx-data-*")) and not (tmp_path / "data").exists()
+
+
+def test_sample_stop_newline_seeds_and_long_prompts(tmp_path):
+    "--stop '\\n' (as a shell passes it) stops at a newline; each run draws a seed it prints; a cut prompt is reported."
+    import jax.numpy as jnp
+    lm = LM.init("demo")
+    b = np.array(lm.params["gptj/lm_head"]["b"]); b[198] += 9.0   # GPT-2's "\n": frequent, but not at every step
+    lm.params["gptj/lm_head"]["b"] = jnp.asarray(b)
+    lm.save(tmp_path / "nl")
+    common = ["sample", "--model", tmp_path / "nl", "--prompt", "Hello", "--temperature", "1", "--max-new-tokens", "20", "-q"]
+    full = meshtx(*common, "--seed", "3")
+    assert full.returncode == 0 and "\n" in full.stdout[:-1], full   # the sample has a newline before its end
+    cut = meshtx(*common, "--seed", "3", "--stop", r"\n")            # the two characters \ and n
+    assert cut.returncode == 0 and cut.stdout == full.stdout.split("\n")[0] + "\n", (cut.stdout, full.stdout)
+    runs = [meshtx(*common[:-1]) for _ in range(2)]                   # no --seed, no -q: a fresh seed each, on stderr
+    seeds = [[l for l in r.stderr.splitlines() if l.startswith("seed: ")] for r in runs]
+    assert all(len(s) == 1 for s in seeds) and seeds[0] != seeds[1], seeds
+    again = meshtx(*common[:-1], "--seed", seeds[0][0].split()[1])
+    assert again.stdout == runs[0].stdout and "seed: " not in again.stderr
+    long = meshtx("sample", "--model", tmp_path / "nl", "--prompt", "Hello " * 600, "--max-new-tokens", "8", "-q")
+    assert long.returncode == 0 and "tokens were dropped" in long.stderr, long.stderr
+
+
+def test_convert_original_checkpoint_keeps_its_dtype(tmp_path):
+    "`convert --mtj-config`: a slim (bf16) original checkpoint stays bf16, a full one float32, unless --dtype says."
+    import json, jax
+    from safetensors import safe_open
+    from meshtx import init_params
+    from test_checkpoint import CFG, original_shards, write_original
+    run = {"layers": CFG.n_layer, "d_model": CFG.d_model, "n_heads": CFG.n_head, "n_vocab": CFG.n_vocab,
+           "seq": CFG.n_ctx, "pe_rotary_dims": CFG.rotary_dim}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(np.asarray, init_params(CFG, seed=1))
+    for full, stored, asked, want in [(False, "bfloat16", None, "bfloat16"), (True, np.float32, None, "float32"),
+                                      (False, "bfloat16", "float32", "float32")]:
+        shards, _ = original_shards(params, 2, rng, jax.numpy.bfloat16 if stored == "bfloat16" else stored)
+        src, dst = tmp_path / f"step_{full}_{asked}", tmp_path / f"hf_{full}_{asked}"
+        list(write_original(src, shards, full, rng))
+        r = meshtx("convert", src, dst, "--mtj-config", tmp_path / "run.json", "-q", *(["--dtype", asked] if asked else []))
+        assert r.returncode == 0, r.stderr
+        config = json.loads((dst / "config.json").read_text())
+        assert (config.get("dtype") or config.get("torch_dtype")) == want, config
+        with safe_open(dst / "model.safetensors", "np" if want == "float32" else "pt") as f:
+            assert str(f.get_tensor("lm_head.weight").dtype).endswith(want), (full, asked)
+
+
+def test_run_config_typos_are_one_line_errors(tmp_path):
+    import json
+    base = {"layers": 2, "d_model": 64, "n_heads": 4, "n_vocab": 257, "seq": 32, "tokenizer": "bytes",
+            "total_steps": 3, "model_dir": "run", "train_set": "docs.txt"}
+    for extra, says in [({"lora": "8"}, "lora='8'"), ({"warmup_steps": "10"}, "warmup_steps='10'"),
+                        ({"val_set": 5}, "val_set=5"), ({"ckpt_every": "2"}, "ckpt_every='2'")]:
+        (tmp_path / "run.json").write_text(json.dumps({**base, **extra}))
+        r = meshtx("train", "--config", tmp_path / "run.json", "-q")
+        assert r.returncode == 2 and r.stderr.startswith("meshtx: error:") and says in r.stderr, (extra, r.stderr[-2000:])
+        assert "Traceback" not in r.stderr
+
+
+def test_train_an_original_config_into_its_bucket(gcs_bucket, tmp_path):
+    "The original's keys mean what they meant: bucket + model_dir, sets under data/, several val sets, "
+    "eval_harness_tasks (warned about); and the model the run leaves is what `meshtx sample` reads."
+    import json, uuid
+    import pydoc_data.topics as topics
+    from meshtx.data import filesystem
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "docs.txt").write_text("\n\n".join(topics.topics[k] for k in sorted(topics.topics)[:20]))
+    (tmp_path / "data" / "other.txt").write_text("Quite another text, said again and again. " * 200)
+    (tmp_path / "data" / "example.train.index").write_text("data/docs.txt\n")
+    run_dir = f"t-{uuid.uuid4().hex[:8]}/run"
+    (tmp_path / "run.json").write_text(json.dumps({
+        "layers": 2, "d_model": 64, "n_heads": 4, "n_vocab": 257, "pe_rotary_dims": 8, "seq": 32, "tokenizer": "bytes",
+        "per_replica_batch": 1, "total_steps": 2, "val_every": 2, "val_batches": 2, "tpu_size": 8,
+        "bucket": gcs_bucket.removeprefix("gs://"), "model_dir": run_dir, "train_set": "example.train.index",
+        "val_set": {"pile": "example.train.index", "other": "other.txt"}, "eval_harness_tasks": ["lambada"]}))
+    r = subprocess.run([shutil.which("meshtx") or str(Path(sys.executable).parent / "meshtx"), "train", "--config", "run.json", "-q"],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = [json.loads(l) for l in r.stdout.splitlines() if l.startswith('{"step"')][-1]
+    assert {"val_loss_pile", "val_loss_other"} <= set(last) and "val_loss" not in last, last
+    assert "eval_harness_tasks=['lambada'] are not run" in r.stderr and "meshtx eval" in r.stderr
+    url = f"{gcs_bucket}/{run_dir}"
+    assert json.loads(r.stdout.splitlines()[-1]) == {"model": f"{url}/model"}
+    fs, root = filesystem(url)
+    fs.invalidate_cache()
+    assert {"model", "data", "step_00000002"} <= {p.rsplit("/", 1)[-1] for p in fs.ls(root)}
+    assert not (tmp_path / run_dir).exists()                        # nothing went to a local folder of that name
+    s = meshtx("sample", "--model", f"{url}/model", "--prompt", "def", "--max-new-tokens", "4", "--seed", "0", "-q")
+    assert s.returncode == 0, s.stderr[-2000:]

@@ -92,3 +92,61 @@ def test_a_batch_that_does_not_split_trains_like_one_process(tmp_path):
     assert two["processes"] == 2
     np.testing.assert_allclose(two["losses"], one["losses"], atol=1e-5)
     assert abs(two["val"] - one["val"]) <= 1e-5, (two, one)
+
+
+def run_cli(nproc, argv, cwd, deadline=300, env_extra=None):
+    "Run `meshtx ARGV` as `nproc` processes of one job (the MESHTX_* variables, one CPU device each); their outputs."
+    import shutil
+    exe = shutil.which("meshtx") or str(Path(sys.executable).parent / "meshtx")
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(MESHTX_CACHE_DIR="off", **(env_extra or {}))
+    job = lambda i: {} if nproc == 1 else {"MESHTX_COORDINATOR": f"127.0.0.1:{port}", "MESHTX_NUM_PROCESSES": str(nproc),
+                                           "MESHTX_PROCESS_ID": str(i)}
+    logs = [open(Path(cwd) / f"cli.{i}.log", "w+") for i in range(nproc)]
+    procs = [subprocess.Popen([exe, *argv], env={**env, **job(i)}, cwd=cwd, stdout=logs[i], stderr=subprocess.STDOUT, text=True)
+             for i in range(nproc)]
+    try:
+        for i, p in enumerate(procs):
+            p.wait(timeout=max(1, deadline))
+            logs[i].seek(0)
+            out = logs[i].read()
+            assert p.returncode == 0, f"process {i} of {nproc} exited with {p.returncode}: {out[-3000:]}"
+        outs = []
+        for f in logs: f.seek(0); outs.append(f.read())
+        return outs
+    finally:
+        for p in procs:
+            if p.poll() is None: p.kill()
+        for p in procs: p.wait()
+        for f in logs: f.close()
+
+
+@pytest.mark.slow
+def test_the_cli_joins_a_job(tmp_path):
+    "With MESHTX_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID set, each `meshtx` process is one process of the job."
+    outs = run_cli(2, ["info"], tmp_path, deadline=120)
+    for i, out in enumerate(outs):
+        lines = dict(l.split(None, 1) for l in out.splitlines() if l[:1].isalpha() and len(l.split(None, 1)) == 2)
+        assert lines["process"] == f"{i} of 2", out
+        assert lines["devices"].startswith("2 × ") and "(local 1)" in lines["devices"], out
+
+
+@pytest.mark.slow
+def test_two_cli_processes_train_one_model(tmp_path):
+    "`meshtx train` started on two processes trains one model (the losses of one process with both devices), "
+    "process 0 prints the log, and the model it leaves can be sampled."
+    import pydoc_data.topics as topics
+    (tmp_path / "docs.txt").write_text("\n\n".join(topics.topics[k] for k in sorted(topics.topics)[:20]))
+    run = {"layers": 2, "d_model": 64, "n_heads": 4, "n_vocab": 257, "pe_rotary_dims": 8, "seq": 32, "tokenizer": "bytes",
+           "per_replica_batch": 4, "total_steps": 3, "lr": 3e-3, "train_set": "docs.txt"}
+    for name in ("one", "two"): (tmp_path / f"{name}.json").write_text(json.dumps({**run, "model_dir": name}))
+    one = run_cli(1, ["train", "--config", "one.json", "-q"], tmp_path,
+                  env_extra={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})[0]
+    two = run_cli(2, ["train", "--config", "two.json", "-q"], tmp_path)
+    steps = lambda out: [json.loads(l) for l in out.splitlines() if l.startswith('{"step"')]
+    assert [r["step"] for r in steps(two[0])] == [1, 2, 3] and steps(two[1]) == [], two   # process 0 speaks
+    for a, b in zip(steps(one), steps(two[0])): assert abs(a["loss"] - b["loss"]) <= 1e-5, (one, two[0])
+    assert (tmp_path / "two" / "model" / "config.json").exists()
+    out = run_cli(1, ["sample", "--model", "two/model", "--prompt", "def", "--max-new-tokens", "4", "--seed", "0", "-q"], tmp_path)[0]
+    assert out.strip(), out

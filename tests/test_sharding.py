@@ -115,6 +115,7 @@ def test_impossible_meshes_say_what_works():
     with pytest.raises(ValueError, match=r"fsdp=8 must divide d_model=36"):
         make_mesh(fsdp=8, config=ModelConfig(n_layer=1, d_model=36, n_head=6, rotary_dim=2, n_vocab=64))
     assert dict(make_mesh(config=cfg).shape) == {"dp": 4, "fsdp": 1, "mp": 2}   # inference: mp as far as heads allow
+    assert dict(make_mesh(dp=2, mode="train").shape) == {"dp": 2, "fsdp": 4, "mp": 1}   # training: what dp leaves, fsdp takes
 
 
 def test_lm_on_mesh_and_reshard(hf_checkpoint):
@@ -229,3 +230,7 @@ def test_plan_cli():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "mesh dp=1 fsdp=8 mp=1 (8 devices)" in r.stdout and "opt_state" in r.stdout and "fits:" in r.stdout
+    # 6 devices: fsdp as large as divides d_model=4096 (2), the rest data-parallel
+    r = subprocess.run([exe, "plan", "--mode", "train", "--devices", "6"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "mesh dp=3 fsdp=2 mp=1 (6 devices)" in r.stdout
