@@ -318,7 +318,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--no-remat", action="store_true", help="count activations without rematerialization (default: with it, "
                    "as `meshtx finetune` trains; the plan's first line says which)")
     s.set_defaults(func=cmd_plan)
-    s = sub.add_parser("serve", help="serve a model over HTTP (/complete and OpenAI's /v1/completions)")
+    s = sub.add_parser("serve", help="serve a model over HTTP (/complete and OpenAI's /v1/completions)",
+                       description="Serve a model over HTTP. Plain requests that arrive together are decoded in one "
+                       "batch; streamed requests run one at a time (not batched), so concurrent streaming clients wait "
+                       "for each other.")
     m = s.add_mutually_exclusive_group(required=True)
     m.add_argument("--model", help="hub id, Hugging Face directory or meshtx checkpoint (local or gs://)")
     m.add_argument("--preset", help="a random model of this preset instead (tiny, demo, small, gptj-6b)")
@@ -327,7 +330,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     s.add_argument("--model-name", help="the model's name in the API (default: --model or --preset)")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default bfloat16 for HF)")
-    s.add_argument("--max-batch", type=_positive, default=8, help="most prompts decoded together (default 8)")
+    s.add_argument("--max-batch", type=_positive, default=8, help="most prompts decoded together; a request with more runs as several calls (default 8)")
     s.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long to gather requests into a batch (default 5)")
     s.add_argument("--max-queue", type=_positive, default=64, help="most prompts waiting; more are refused with 503 (default 64)")
     s.add_argument("--cors-origin", action="append", help="allow browser requests from this origin (repeatable)")
