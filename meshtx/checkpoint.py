@@ -7,6 +7,7 @@ Docs: https://meshtx.github.io/meshtx/checkpoint.html.md"""
 # %% ../nbs/07_checkpoint.ipynb #d8949231
 from __future__ import annotations
 import json, math, operator, os, re, struct, time, zlib
+import contextlib
 from contextlib import ExitStack
 from typing import NamedTuple
 import numpy as np
@@ -101,12 +102,16 @@ def _write_chunk_file(fs, path: str, pieces: list, fetch) -> dict:
     """Write the chunks `pieces` (each with `.key, .dtype, .shape, .nbytes`) into one safetensors file; `fetch(piece)`
     gives the data. Returns each chunk's CRC-32, so that a restore can tell a damaged byte (4 GB/s: nothing to the write)."""
     crcs = {}
-    with fs.open(path, "wb") as f:
-        f.write(_st_header([(p.key, p.dtype, p.shape, p.nbytes) for p in pieces]))
-        for p in pieces:
-            data = np.ascontiguousarray(fetch(p)).reshape(-1).view(np.uint8).data
-            f.write(data); crcs[p.key] = zlib.crc32(data)
-        if isinstance(fs, LocalFileSystem): _fsync(f)
+    try:
+        with fs.open(path, "wb") as f:
+            f.write(_st_header([(p.key, p.dtype, p.shape, p.nbytes) for p in pieces]))
+            for p in pieces:
+                data = np.ascontiguousarray(fetch(p)).reshape(-1).view(np.uint8).data
+                f.write(data); crcs[p.key] = zlib.crc32(data)
+            if isinstance(fs, LocalFileSystem): _fsync(f)
+    except OSError as e:   # a full disk, a lost connection: name the file, and give its space back
+        with contextlib.suppress(OSError): fs.rm(path)
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
     return crcs
 
 # %% ../nbs/07_checkpoint.ipynb #e835b6b0

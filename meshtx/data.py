@@ -27,6 +27,9 @@ def filesystem(url_or_path, **storage_options) -> tuple[fsspec.AbstractFileSyste
     url = os.path.expanduser(os.fspath(url_or_path))
     if url.startswith(("gs://", "gcs://")) and os.environ.get("STORAGE_EMULATOR_HOST") and "token" not in storage_options:
         storage_options = {"token": "anon", **storage_options}
+    if url.startswith(("gs://", "gcs://")) and "requests_timeout" not in storage_options:
+        import aiohttp   # gcsfs waits forever by default: a stalled connection would hang a training run's save for good
+        storage_options = {**storage_options, "requests_timeout": aiohttp.ClientTimeout(total=None, sock_connect=60, sock_read=300)}
     return fsspec.core.url_to_fs(url, **storage_options)
 
 def _is_local(fs) -> bool: return isinstance(fs, LocalFileSystem)
@@ -97,6 +100,12 @@ def _version(info: dict) -> str:
     keys = ("size", "md5Hash", "crc32c", "etag", "ETag", "generation", "updated", "mtime", "LastModified")
     return json.dumps({k: str(info[k]) for k in keys if k in info}, sort_keys=True)
 
+def _alive(pid: int) -> bool:
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except PermissionError: return True   # someone else's process
+    return True
+
 def fetch_dir(url, cache_dir=None, progress=True) -> Path:
     "A local copy of the files directly in remote directory `url`, cached: a file is fetched again only when it changed."
     from tqdm.auto import tqdm
@@ -111,6 +120,9 @@ def fetch_dir(url, cache_dir=None, progress=True) -> Path:
     local = cache.expanduser() / protocol / root.lstrip("/")
     local.mkdir(parents=True, exist_ok=True)
     versions_file = local / ".meshtx-versions.json"
+    for part in local.glob(".*.part"):   # a fetch killed midway left its part: remove those of processes that are gone
+        pid = part.name.rsplit(".", 3)[-3]
+        if pid.isdigit() and not _alive(int(pid)): part.unlink(missing_ok=True)
     def write_versions(v):   # atomic: other processes may be reading it
         tmp = local / f".versions.{os.getpid()}.{uuid.uuid4().hex}"
         tmp.write_text(json.dumps(v)); os.replace(tmp, versions_file)
@@ -512,18 +524,21 @@ def val_window_indices(n_windows: int, val_fraction: float, seed: int) -> np.nda
 FORMAT, FORMAT_VERSION = "meshtx-tokens", 1
 
 def _publish(staging: Path, out, storage_options=None):
-    "Move `tokens.bin`, then `header.json`, from the local `staging` folder to `out`."
+    """Move `tokens.bin`, then `header.json`, from the local `staging` folder to `out`. The tokens go under a temporary
+    name first (the long part, which a full disk or a lost connection may stop), so an earlier dataset in `out` stays
+    whole until they are all there; then its header goes, the tokens take their name, and the new header comes last."""
     fs, root = filesystem(out, **(storage_options or {}))
-    if _is_local(fs): fs.makedirs(root, exist_ok=True)
-    header = f"{root}/header.json"
-    if fs.exists(header): fs.rm(header)
-    for name in ("tokens.bin", "header.json"):
-        if _is_local(fs):
-            temporary = f"{root}/.{name}.{uuid.uuid4().hex[:8]}.tmp"
-            shutil.move(staging / name, temporary)
-            os.replace(temporary, f"{root}/{name}")
-        else:
-            fs.put_file(str(staging / name), f"{root}/{name}")
+    if _is_local(fs):
+        fs.makedirs(root, exist_ok=True)
+        for old in Path(root).glob(".*.tmp"):   # an earlier publish that was killed between its two steps
+            if old.name.startswith((".tokens.bin.", ".header.json.")) and time.time() - old.stat().st_mtime > 3600: old.unlink(missing_ok=True)
+    temporary = {name: f"{root}/.{name}.{uuid.uuid4().hex[:8]}.tmp" for name in ("tokens.bin", "header.json")}
+    put = (lambda name: shutil.move(staging / name, temporary[name])) if _is_local(fs) else \
+          (lambda name: fs.put_file(str(staging / name), temporary[name]))
+    put("tokens.bin")
+    if fs.exists(f"{root}/header.json"): fs.rm(f"{root}/header.json")
+    fs.mv(temporary["tokens.bin"], f"{root}/tokens.bin")
+    put("header.json"); fs.mv(temporary["header.json"], f"{root}/header.json")
 
 def _staging_parent(out, storage_options=None):
     "Where to stage: beside a local `out` (so the final move is a rename), else the system's temporary folder."
@@ -653,6 +668,8 @@ class TokenData:
         try: header = json.loads(fs.cat_file(f"{root}/header.json"))
         except FileNotFoundError:
             raise FileNotFoundError(f"{path}: no header.json; not a prepared dataset, or its preparation did not finish") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}/header.json is damaged (not JSON: {e}): prepare the data again") from None
         if header.get("format") != FORMAT or header.get("version") != FORMAT_VERSION:
             raise ValueError(f"{path}/header.json: format {header.get('format')!r} version {header.get('version')!r}, "
                              f"expected {FORMAT!r} version {FORMAT_VERSION}")
