@@ -333,7 +333,9 @@ def _resumable(out, child, settings: dict) -> dict | None:
     fs, p = filesystem(child("finetune.json"))
     if not fs.exists(p):
         raise ValueError(f"{out} holds checkpoints (steps {steps}) but no finetune.json: not a fine-tune to resume; choose a new output directory")
-    recorded = json.loads(fs.cat_file(p))
+    try: recorded = json.loads(fs.cat_file(p))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{child('finetune.json')} is damaged (not JSON: {e}): choose a new output directory") from None
     differ = {k: (recorded.get(k), v) for k, v in settings.items()   # how often to save, and remat, may change
               if k not in ("save_every", "remat") and recorded.get(k) != json.loads(json.dumps(v, default=list))}
     if differ:
