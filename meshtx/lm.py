@@ -6,15 +6,15 @@ Docs: https://meshtx.github.io/meshtx/lm.html.md"""
 
 # %% ../nbs/04_lm.ipynb #4da8f793
 from __future__ import annotations
-import os, threading
+import os, re, threading
 from pathlib import Path
 import numpy as np
 import jax, jax.numpy as jnp
 from fastcore.basics import patch
 from .config import ModelConfig, LoRAConfig
 from .model import gptj, init_params, no_hint, param_shapes
-from .weights import (load_hf_params, save_hf_params, save_params, load_params, is_meshtx_checkpoint,
-                            checkpoint_files, MESHTX_CONFIG)
+from .weights import (load_hf_params, load_params, is_meshtx_checkpoint, checkpoint_files, MESHTX_CONFIG,
+                            replace_dir, recover_dir, SAVE_FILES, _write_hf, _write_params, _writing)
 from .data import is_remote, fetch_dir, save_remote
 from .tokenizer import gpt2_tokenizer, load_tokenizer, has_tokenizer, EOT, TOKENIZER_FILES
 from .sharding import param_shardings, shard_params, activation_hint, batch_sharding
@@ -28,7 +28,7 @@ _COMMON = ["*.json", "*.txt", "*.model"]
 def resolve_checkpoint(path_or_repo_id, revision=None, progress=True) -> Path:
     "A local directory holding the checkpoint: `path_or_repo_id` itself, its cached copy (a `gs://` URL), or its hub snapshot."
     if is_remote(path_or_repo_id): return fetch_dir(path_or_repo_id, progress=progress)
-    p = Path(path_or_repo_id).expanduser()
+    p = recover_dir(Path(path_or_repo_id).expanduser())   # a save interrupted mid-swap is put back first
     if p.is_dir(): return p
     if p.exists() or str(path_or_repo_id).startswith((".", "/", "~")) or str(path_or_repo_id).count("/") > 1:
         raise ValueError(f"{str(path_or_repo_id)!r} is not a checkpoint directory")
@@ -115,6 +115,7 @@ def from_hf(cls: LM, path_or_repo_id, dtype="bfloat16", compute_dtype=None, revi
 def load(cls: LM, path, dtype=None, compute_dtype=None, mesh=None, progress=True) -> LM:
     """Load a meshtx checkpoint (`LM.save`), a `Trainer` checkpoint of a full fine-tune (a `step_N` folder, or the
     folder holding them: its latest step), or a Hugging Face directory/hub id (any of them may be a `gs://` URL)."""
+    if not is_remote(path): recover_dir(Path(path))   # a save interrupted mid-swap is put back first
     if (found := _training_checkpoint(path)) is not None: return cls._from_training(*found, dtype, compute_dtype, mesh)
     if is_remote(path): path = fetch_dir(path, progress=progress)
     if is_meshtx_checkpoint(path):
@@ -206,9 +207,10 @@ def save_hf(self: LM, path, dtype=None, max_shard_size="5GB", progress=True) -> 
     if is_remote(path): return save_remote(path, "config.json", lambda d: self.save_hf(d, dtype, max_shard_size, progress))
     _check_target(path, "config.json", MESHTX_CONFIG, "a meshtx checkpoint")
     config = self.config if self.config.eos_token_id is not None else self.config.replace(eos_token_id=self.eos_token_id)
-    with self.lock: path = save_hf_params(path, self.params, config, dtype=dtype, max_shard_size=max_shard_size, progress=progress)
-    _save_tokenizer(self.tokenizer, path)
-    return path
+    def fill(d):
+        _write_hf(d, self.params, config, dtype, max_shard_size, progress)
+        _save_tokenizer(self.tokenizer, d)
+    with self.lock: return replace_dir(path, fill, owned=_OWNED)
 
 @patch
 def save(self: LM, path) -> Path:
@@ -216,14 +218,15 @@ def save(self: LM, path) -> Path:
     _no_adapters(self)
     if is_remote(path): return save_remote(path, MESHTX_CONFIG, self.save)
     _check_target(path, MESHTX_CONFIG, "config.json", "a Hugging Face checkpoint")
-    with self.lock: path = save_params(path, self.params, self.config)
-    _save_tokenizer(self.tokenizer, path)
-    return path
+    def fill(d):
+        _write_params(d, self.params, self.config)
+        _save_tokenizer(self.tokenizer, d)
+    with self.lock: return replace_dir(path, fill, owned=_OWNED)
 
 def _check_target(path, mine: str, other: str, what: str):
     """Refuse a directory holding a save in the other format (marker `other`: the two would sit side by side, and a
     load pick the old one), or files of someone else's and no earlier save of this format (marker `mine`) to replace."""
-    path = Path(path)
+    path = recover_dir(Path(path))   # a save interrupted mid-swap: the earlier one is put back first
     if (path / other).exists():
         raise FileExistsError(f"{path} holds {what} ({other}): save into another directory, or delete that one first")
     found = sorted(p.name for p in path.iterdir() if not p.name.startswith(".")) if path.is_dir() else []
@@ -231,11 +234,15 @@ def _check_target(path, mine: str, other: str, what: str):
         raise FileExistsError(f"{path} holds other files ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}) and "
                               "no earlier save to replace: save into a new or empty directory")
 
-def _save_tokenizer(tokenizer, path: Path):
-    "Save `tokenizer` (or none) into `path`, first removing an earlier save's tokenizer files, which would load instead."
-    for name in TOKENIZER_FILES + ("merges.txt", "special_tokens_map.json", "added_tokens.json"):
-        (Path(path) / name).unlink(missing_ok=True)
-    if tokenizer is not None: tokenizer.save_pretrained(path)
+_TOKENIZER_NAMES = TOKENIZER_FILES + ("merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                                      "tokenizer.model")
+# what a save replaces: an earlier save's files, its tokenizer's too (they would load with the new weights)
+_OWNED = "|".join([SAVE_FILES, *map(re.escape, _TOKENIZER_NAMES)])
+
+def _save_tokenizer(tokenizer, d: Path):
+    "Save `tokenizer` (if any) into the new directory `d`; a full disk is an `OSError` naming the file."
+    # tokenizers' own (Rust) writer of tokenizer.json fails with a bare Exception; Python's writes name their file
+    if tokenizer is not None: _writing(d / "tokenizer.json", tokenizer.save_pretrained, d)
 
 @patch(as_prop=True)
 def n_params(self: LM) -> int: return self.config.n_params

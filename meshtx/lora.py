@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/lora.html.md"""
 
 # %% ../nbs/07a_lora.ipynb #57b77119
 from __future__ import annotations
-import json, os, shutil, tempfile, uuid
+import json, os, tempfile
 from pathlib import Path
 import numpy as np
 import jax, jax.numpy as jnp
@@ -14,6 +14,7 @@ from fastcore.basics import patch
 from .config import ModelConfig, LoRAConfig
 from .model import gptj
 from .lm import LM
+from .weights import replace_dir, recover_dir, _writing, _load_json, _safe_open
 from .data import is_remote, fetch_dir, save_remote
 
 # %% auto #0
@@ -84,42 +85,35 @@ LORA_FILE, LORA_CONFIG = "lora.safetensors", "lora.json"
 
 @patch
 def save_adapters(self: LM, path) -> Path:
-    """Write this model's adapters (and their config) into directory `path`, atomically. An existing `path` is replaced
+    """Write this model's adapters (and their config) as directory `path`, atomically (`replace_dir`). An existing `path` is replaced
     only when it holds nothing but an earlier save's two files: anything else in it is refused, never deleted.
     A `gs://` URL is written through a local copy, `lora.json` last, and never over earlier adapters."""
     from safetensors.numpy import save_file
     if self.lora is None: raise ValueError("this model has no LoRA adapters to save")
     if is_remote(path): return save_remote(path, LORA_CONFIG, self.save_adapters)
-    _, adapters = split_adapters(self.params)
-    path = Path(path).absolute()
+    path = recover_dir(Path(path))   # a save interrupted mid-swap: the earlier one is put back first
     if path.exists():
         if not path.is_dir(): raise FileExistsError(f"{path} is a file, not a directory for adapters")
         others = sorted(f.name for f in path.iterdir() if f.name not in (LORA_FILE, LORA_CONFIG))
         if others: raise FileExistsError(f"{path} holds other files ({', '.join(others[:5])}): save the adapters into a "
                                          f"new or empty directory, or one holding only {LORA_FILE} and {LORA_CONFIG}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}"   # not mkdtemp: its 0700 would stay after the rename
-    tmp.mkdir()
-    old = path.parent / f"{tmp.name}.old"
-    try:
-        tensors = {f"{m}/{p}": np.asarray(jax.device_get(x)) for m, ps in adapters.items() for p, x in ps.items()}
-        save_file(tensors, tmp / LORA_FILE)
-        (tmp / LORA_CONFIG).write_text(json.dumps({"lora": self.lora.to_dict(), "model": self.config.to_dict()}, indent=2))
-        if path.exists(): os.replace(path, old)   # the earlier save steps aside, and goes only once the new one is in
-        os.replace(tmp, path)
-    finally:
-        for d in (tmp, old):
-            if d.exists(): shutil.rmtree(d)
-    return path
+    with self.lock:   # a training step in another thread may be replacing them
+        tensors = {f"{m}/{p}": np.asarray(jax.device_get(x))
+                   for m, ps in split_adapters(self.params)[1].items() for p, x in ps.items()}
+    meta = json.dumps({"lora": self.lora.to_dict(), "model": self.config.to_dict()}, indent=2)
+    def fill(d):
+        _writing(d / LORA_FILE, save_file, tensors, d / LORA_FILE)
+        _writing(d / LORA_CONFIG, (d / LORA_CONFIG).write_text, meta)
+    return replace_dir(path, fill)
 
 @patch
 def load_adapters(self: LM, path) -> LM:
     "Attach the adapters saved in `path` to this (adapter-free) model, in place; returns the model."
-    from safetensors.numpy import load_file
-    path = fetch_dir(path, progress=False) if is_remote(path) else Path(path)
+    path = fetch_dir(path, progress=False) if is_remote(path) else recover_dir(Path(path))   # (put back if a save was killed)
     if not (path / LORA_CONFIG).exists(): raise FileNotFoundError(f"{path} holds no LoRA adapters ({LORA_CONFIG} is missing)")
     if self.lora is not None: raise ValueError("this model already has LoRA adapters; merge them first")
-    meta = json.loads((path / LORA_CONFIG).read_text())
+    meta = _load_json(path / LORA_CONFIG)
+    if not {"lora", "model"} <= meta.keys(): raise ValueError(f"{path / LORA_CONFIG} lacks \"lora\" or \"model\": not meshtx adapters")
     lora, saved_for = LoRAConfig.from_dict(meta["lora"]), ModelConfig.from_dict(meta["model"])
     shape = ("n_layer", "d_model", "n_head", "d_head", "d_ff", "n_vocab")
     if any(getattr(saved_for, f) != getattr(self.config, f) for f in shape):
@@ -127,7 +121,7 @@ def load_adapters(self: LM, path) -> LM:
         raise ValueError(f"the adapters in {path} were trained for another model shape (saved vs this model: {diff})")
     expected = split_adapters(jax.eval_shape(lambda k: gptj(self.config, lora=lora).init(k, jnp.zeros((1, 1), jnp.int32)),
                                              jax.random.key(0)))[1]
-    tensors = load_file(path / LORA_FILE)
+    with _safe_open(path / LORA_FILE) as f: tensors = {k: f.get_tensor(k) for k in f.keys()}   # a damaged file is named
     adapters = {}
     for m, ps in expected.items():
         for p, x in ps.items():

@@ -256,6 +256,10 @@ def train(run, log=None, progress: bool = False) -> Trainer:
         if (ckpt_every and n % ckpt_every == 0) or n == total: t.save()
     fs, p = filesystem(f"{model_dir}/model")
     if trained or not fs.exists(f"{p}/config.json"):   # the model other commands read (sample, serve, eval, convert)
+        if is_remote(model_dir) and is_main_process():   # remote saves go to empty folders: this run's earlier model goes
+            for name in ("model", "adapters"):           # (if the save is cut short, the next call writes it again)
+                rfs, rp = filesystem(f"{model_dir}/{name}")
+                if rfs.exists(rp): rfs.rm(rp, recursive=True)
         _save_model(lm, f"{model_dir}/model", f"{model_dir}/adapters")
         if is_main_process(): log(json.dumps({"model": f"{model_dir}/model", **({"adapters": f"{model_dir}/adapters"} if lora else {})}))
     return t

@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/weights.html.md"""
 
 # %% ../nbs/02_weights.ipynb #fc0abd5b
 from __future__ import annotations
-import json, os, re, shutil, tempfile
+import errno, glob, itertools, json, os, re, shutil, uuid, warnings
 from functools import partial
 from pathlib import Path
 import numpy as np
@@ -18,9 +18,9 @@ from .config import ModelConfig, DTYPES
 from .model import param_shapes
 
 # %% auto #0
-__all__ = ['IGNORED', 'ALL', 'MESHTX_CONFIG', 'MESHTX_PARAMS', 'hf_tensor_map', 'hf_shape', 'checkpoint_files', 'open_checkpoint',
-           'check_checkpoint', 'load_hf_params', 'hf_tensors', 'save_hf_params', 'is_meshtx_checkpoint', 'save_params',
-           'load_params']
+__all__ = ['IGNORED', 'ALL', 'SAVE_FILES', 'MESHTX_CONFIG', 'MESHTX_PARAMS', 'hf_tensor_map', 'hf_shape', 'checkpoint_files',
+           'open_checkpoint', 'check_checkpoint', 'load_hf_params', 'recover_dir', 'replace_dir', 'hf_tensors',
+           'save_hf_params', 'is_meshtx_checkpoint', 'save_params', 'load_params']
 
 # %% ../nbs/02_weights.ipynb #875c3bd5
 _BLOCK = [  # (HF name inside transformer.h.{i}., meshtx module, param, transpose, qkv slot)
@@ -71,13 +71,21 @@ def checkpoint_files(path) -> list[Path]:
     for single, index in (("model.safetensors", "model.safetensors.index.json"),
                           ("pytorch_model.bin", "pytorch_model.bin.index.json")):
         if (path / index).exists():
-            weight_map = json.loads((path / index).read_text())["weight_map"]
+            weight_map = _load_json(path / index).get("weight_map")
+            if not isinstance(weight_map, dict): raise ValueError(f"{path / index} has no \"weight_map\" object")
             files = [path / f for f in dict.fromkeys(weight_map.values())]
             for f in files:
                 if not f.exists(): raise ValueError(f"{path / index} lists {f.name}, which is missing")
             return files
         if (path / single).exists(): return [path / single]
     raise ValueError(f"no model.safetensors, pytorch_model.bin or index json in {path}")
+
+def _load_json(fn) -> dict:
+    "The JSON object in file `fn`; a damaged or truncated file is a `ValueError` that names it."
+    try: d = json.loads(Path(fn).read_bytes())
+    except ValueError as e: raise ValueError(f"{fn} is not valid JSON ({e}): is the file complete?") from None
+    if not isinstance(d, dict): raise ValueError(f"{fn} holds a JSON {type(d).__name__}, not an object")
+    return d
 
 def _safe_open(fn):
     "`safe_open(fn)`, with a damaged or truncated file reported as a `ValueError` that names it."
@@ -197,6 +205,92 @@ def load_hf_params(path, config: ModelConfig, shardings=None, progress: bool = T
     return {mod: {p: jax.make_array_from_single_device_arrays(sd.shape, where[mod][p], [b for _, b in bufs[mod][p]])
                   for p, sd in ps.items()} for mod, ps in shapes.items()}
 
+# %% ../nbs/02_weights.ipynb #5928a764
+def _writing(fn, write, *args, **kwargs):
+    "Call `write(*args, **kwargs)`, which writes file `fn`: its failure (a full disk) is an `OSError` that names `fn`."
+    try: return write(*args, **kwargs)
+    except OSError as e:
+        if e.filename is None and e.errno is not None: raise OSError(e.errno, e.strerror, str(fn)) from None
+        raise
+    except Exception as e:   # safetensors' SafetensorError, tokenizers' bare Exception: the OS's words, and no file
+        if not (m := re.search(r"os error (\d+)", str(e))): raise
+        raise OSError(int(m[1]), os.strerror(int(m[1])), str(fn)) from None
+
+def _aside(path: Path, kind: str) -> list[Path]:
+    "The hidden siblings `.NAME.{kind}-XXXXXXXX` of directory `path` that `replace_dir` makes (`new`, `old`, `del`)."
+    return sorted(path.parent.glob(f".{glob.escape(path.name)}.{kind}-" + "[0-9a-f]" * 8))
+
+def recover_dir(path) -> Path:
+    """`path`, put back if a save was stopped between moving the earlier `path` aside (to `.NAME.old-…`, whole: it is
+    only renamed) and moving the new one in."""
+    path = Path(path)
+    if path.exists() or path.is_symlink() or not (olds := _aside(path, "old")): return path
+    old = max(olds, key=lambda d: d.stat().st_mtime)
+    try: os.rename(old, path)
+    except OSError as e:
+        raise OSError(e.errno, f"{path} is missing: an interrupted save left the earlier one in {old}, and moving it "
+                               f"back failed ({e.strerror}); rename it to {path.name}") from None
+    warnings.warn(f"{path} was missing: an interrupted save had moved it aside to {old.name}; it is back")
+    return path
+
+def _fsync(p):
+    try:
+        fd = os.open(p, os.O_RDONLY)
+        try: os.fsync(fd)
+        finally: os.close(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP): raise   # else a filesystem without fsync (some FUSE mounts)
+
+def _link(src, dst):
+    try: os.link(src, dst)
+    except OSError: shutil.copy2(src, dst)   # a filesystem without hard links
+
+def _carry(src: Path, dst: Path):
+    "Put `src` (a file, folder or link of the earlier directory) at `dst` in the new one, hard-linked, not copied."
+    if src.is_symlink(): os.symlink(os.readlink(src), dst)
+    elif src.is_dir(): shutil.copytree(src, dst, symlinks=True, copy_function=_link)
+    else: _link(src, dst)
+
+def replace_dir(path, fill, owned: str | None = None) -> Path:
+    """Make directory `path` in one step: `fill(d)` writes the complete new content into a hidden sibling `d`, which then
+    takes `path`'s place. What the earlier `path` held and `fill` did not write is carried over, except names matching
+    the regex `owned` (an earlier save's own files). A failed or killed call leaves the earlier `path` (see `recover_dir`)."""
+    given = Path(path)
+    path = given.absolute()
+    if path.is_symlink(): path = path.resolve()   # the directory it points to is the one replaced
+    if path == Path.cwd() or path in Path.cwd().parents or os.path.ismount(path):   # a rename would not take those
+        raise ValueError(f"{path} is the working directory, holds it, or is a mount point, which a save cannot replace "
+                         "as a whole: save into a directory inside it")
+    if path.exists() and not path.is_dir(): raise FileExistsError(f"{path} is a file, not a directory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    recover_dir(path)
+    for d in _aside(path, "new") + _aside(path, "del") + _aside(path, "old"): shutil.rmtree(d, ignore_errors=True)
+    tag = uuid.uuid4().hex[:8]
+    new, old = (path.parent / f".{path.name}.{kind}-{tag}" for kind in ("new", "old"))
+    new.mkdir()   # not mkdtemp: its mode 0700 would stay with the directory
+    try:
+        fill(new)
+        for f in new.rglob("*"):
+            if not f.is_symlink(): _fsync(f)
+        if path.is_dir():
+            shutil.copymode(path, new)
+            for f in path.iterdir():
+                if not os.path.lexists(new / f.name) and not (owned and re.fullmatch(owned, f.name)): _carry(f, new / f.name)
+        _fsync(new)
+        if path.is_dir() and any(path.iterdir()): os.rename(path, old)   # (an empty one the next rename replaces)
+        os.replace(new, path)
+    except BaseException as e:
+        if old.exists() and not path.exists(): os.rename(old, path)
+        shutil.rmtree(new, ignore_errors=True)
+        if isinstance(e, OSError) and e.filename and str(e.filename).startswith(f"{new}{os.sep}"):
+            e.filename = str(path / os.path.relpath(e.filename, new))   # the file as the user knows it
+        raise
+    _fsync(path.parent)
+    if old.exists():
+        gone = path.parent / f".{path.name}.del-{tag}"   # renamed first: a half-deleted `.old` is never put back
+        os.rename(old, gone); shutil.rmtree(gone, ignore_errors=True)
+    return given
+
 # %% ../nbs/02_weights.ipynb #92df4366
 def _to_numpy(x, dtype) -> np.ndarray:
     return np.asarray(jax.device_get(x if dtype is None else x.astype(dtype)))
@@ -213,47 +307,38 @@ def _parse_size(s) -> int:
     if not m: raise ValueError(f"max_shard_size={s!r}: use bytes or a size like '5GB', '200MB'")
     return int(float(m[1]) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[m[2]])
 
-def save_hf_params(path, params: dict, config: ModelConfig, dtype=None, max_shard_size="5GB", progress=True):
-    "Write a Hugging Face `GPTJForCausalLM` checkpoint (config.json + safetensors) into directory `path`."
-    path, limit = Path(path), _parse_size(max_shard_size)
-    hf_config = config.to_hf()
+# the files a save writes, which replace an earlier save's (with the temporaries that earlier versions could leave)
+SAVE_FILES = (r"config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|meshtx_config\.json|"
+              r"params\.safetensors|\.meshtx-save-.*|\.params\.safetensors\.tmp|meshtx_config\.json\.tmp")
+
+def _write_hf(d: Path, params: dict, config: ModelConfig, dtype=None, max_shard_size="5GB", progress=True):
+    "Write a Hugging Face checkpoint of `params` into the new directory `d`, with one shard at a time in host memory."
+    limit, hf_config = _parse_size(max_shard_size), config.to_hf()
     dt = str(jnp.dtype(dtype or config.param_dtype))
     if dt not in DTYPES: raise ValueError(f"dtype={dtype!r}: a checkpoint's weights are one of {DTYPES}")   # int8 would zero them
     # transformers ≥ 4.56 calls the field `dtype` (and warns about `torch_dtype`); older versions read `torch_dtype`
     setattr(hf_config, "torch_dtype" if not isinstance(getattr(type(hf_config), "torch_dtype", None), property) else "dtype", dt)
-    path.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".meshtx-save-", dir=path))
-    try:
-        shards, current, size, weight_map = [], {}, 0, {}
-        def flush():
-            nonlocal current, size
-            if current:
-                fn = tmp / f"shard-{len(shards)}.safetensors"
-                save_file(current, fn, metadata={"format": "pt"})
-                shards.append((fn, list(current))); current, size = {}, 0
-        for name, t in tqdm(hf_tensors(params, config, dtype), total=len(hf_tensor_map(config)),
-                            desc="saving weights", unit="tensor", disable=not progress):
-            if current and size + t.nbytes > limit: flush()
-            current[name] = t; size += t.nbytes
-        flush()
-        names = (["model.safetensors"] if len(shards) == 1 else
-                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-        for (fn, keys), final in zip(shards, names):
-            fn.rename(tmp / final); weight_map.update({k: final for k in keys})
-        if len(shards) > 1:
-            total = sum((tmp / n).stat().st_size for n in names)
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(
-                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        hf_config.to_json_file(tmp / "config.json")
-        # remove weights of an earlier save that the new one does not overwrite, then move the new files in
-        for old in path.iterdir():   # only the names a save writes: a user's other files stay
-            if re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json", old.name) \
-               and not (tmp / old.name).exists(): old.unlink()
-        for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):  # config.json last
-            os.replace(f, path / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    shards, size = [[]], 0   # the tensors of each shard, planned from the shapes so each file gets its final name
+    for name in hf_tensor_map(config):
+        n = int(np.prod(hf_shape(config, name))) * jnp.dtype(dt).itemsize
+        if shards[-1] and size + n > limit: shards.append([]); size = 0
+        shards[-1].append(name); size += n
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    tensors = iter(tqdm(hf_tensors(params, config, dtype), total=len(hf_tensor_map(config)), desc="saving weights",
+                        unit="tensor", disable=not progress))
+    for keys, name in zip(shards, names):
+        _writing(d / name, save_file, dict(itertools.islice(tensors, len(keys))), d / name, metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum((d / n).stat().st_size for n in names)},
+                 "weight_map": {k: n for keys, n in zip(shards, names) for k in keys}}
+        _writing(d / "model.safetensors.index.json", (d / "model.safetensors.index.json").write_text, json.dumps(index, indent=2))
+    _writing(d / "config.json", hf_config.to_json_file, d / "config.json")
+
+def save_hf_params(path, params: dict, config: ModelConfig, dtype=None, max_shard_size="5GB", progress=True) -> Path:
+    "Write a Hugging Face `GPTJForCausalLM` checkpoint (config.json + safetensors) as directory `path`, atomically."
+    return replace_dir(path, lambda d: _write_hf(d, params, config, dtype, max_shard_size, progress), owned=SAVE_FILES)
+
 
 # %% ../nbs/02_weights.ipynb #4ac4eb92
 MESHTX_CONFIG = "meshtx_config.json"
@@ -261,15 +346,15 @@ MESHTX_PARAMS = "params.safetensors"
 
 def is_meshtx_checkpoint(path) -> bool: return (Path(path) / MESHTX_CONFIG).exists()
 
-def save_params(path, params: dict, config: ModelConfig):
-    "Write `params` and `config` in meshtx's format into directory `path` (atomically)."
-    path = Path(path); path.mkdir(parents=True, exist_ok=True)
+def _write_params(d: Path, params: dict, config: ModelConfig):
+    "Write `params` and `config` in meshtx's format into the new directory `d`."
     flat = {f"{mod}/{p}": np.asarray(jax.device_get(v)) for mod, ps in params.items() for p, v in ps.items()}
-    tmp = path / f".{MESHTX_PARAMS}.tmp"   # hidden: an interrupted save leaves nothing that looks like a user's file
-    save_file(flat, tmp, metadata={"format": "meshtx"})
-    os.replace(tmp, path / MESHTX_PARAMS)
-    config.save(path / MESHTX_CONFIG)
-    return path
+    _writing(d / MESHTX_PARAMS, save_file, flat, d / MESHTX_PARAMS, metadata={"format": "meshtx"})
+    _writing(d / MESHTX_CONFIG, config.save, d / MESHTX_CONFIG)
+
+def save_params(path, params: dict, config: ModelConfig) -> Path:
+    "Write `params` and `config` in meshtx's format as directory `path` (atomically: `replace_dir`)."
+    return replace_dir(path, lambda d: _write_params(d, params, config), owned=SAVE_FILES)
 
 def load_params(path, shardings=None) -> tuple[ModelConfig, dict]:
     "Read a checkpoint written by `save_params`: `(config, params)`, checked against the config."

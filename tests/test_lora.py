@@ -66,3 +66,59 @@ def test_lora_config_errors():
     with pytest.raises(ValueError, match="no LoRA adapters"): lm.merge_lora()
     lm.add_lora(2)
     with pytest.raises(ValueError, match="already has LoRA"): lm.add_lora(2)
+
+
+KILL_AT = """
+import os, signal, sys
+def kill_at(event, ends):   # SIGKILL this process right before filesystem step `event` whose destination ends with `ends`
+    sys.addaudithook(lambda ev, args: os.kill(os.getpid(), signal.SIGKILL)
+                     if ev == event and str(args[1] if len(args) > 1 else args[0]).endswith(ends) else None)
+"""
+
+
+def test_save_adapters_killed_between_its_renames_keeps_the_earlier_adapters(tmp_path):
+    "Killed after moving the earlier adapters aside, before moving the new ones in: the next load puts them back."
+    import subprocess, sys, warnings
+    lm = LM.init(CFG).add_lora(4, seed=0)
+    lm.params = jax.tree_util.tree_map_with_path(lambda p, x: x + 1 if "lora" in str(p) else x, lm.params)   # B != 0
+    lm.save_adapters(tmp_path / "adapters")
+    code = KILL_AT + f"""
+from meshtx import LM, ModelConfig
+lm = LM.init(ModelConfig.from_dict({CFG.to_dict()!r})).add_lora(4, seed=1)
+kill_at("os.rename", "/adapters")
+lm.save_adapters({str(tmp_path / "adapters")!r})
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9, r.stderr
+    assert not (tmp_path / "adapters").exists()                 # the moment the kill left: the earlier ones aside
+    with warnings.catch_warnings(record=True):
+        back = LM.init(CFG).load_adapters(tmp_path / "adapters")
+    tokens = np.arange(1, 9)[None]
+    npt.assert_array_equal(np.asarray(back.logits(tokens)), np.asarray(lm.logits(tokens)))
+    LM.init(CFG).add_lora(4, seed=2).save_adapters(tmp_path / "adapters")   # a later save leaves nothing beside it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapters"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", ["/out/adapters", "/out/model"])
+def test_finetune_killed_while_saving_its_result_resumes(kill_at, tmp_path):
+    "The same finetune call again finishes a run killed while writing its adapters or its final model."
+    import subprocess, sys
+    from meshtx.runs import finetune
+    from meshtx.tokenizer import ByteTokenizer
+    LM.init(ModelConfig(n_layer=2, d_model=64, n_head=4, rotary_dim=8, n_vocab=257, n_ctx=64),
+            tokenizer=ByteTokenizer()).save(tmp_path / "base")
+    (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    args = dict(lora=4, steps=2, batch=2, seq=32, val_fraction=0.2, progress=False)
+    code = KILL_AT + f"""
+from meshtx.runs import finetune
+kill_at("os.rename", {kill_at!r})
+finetune({str(tmp_path / "base")!r}, {str(tmp_path / "text.txt")!r}, {str(tmp_path / "out")!r}, **{args!r})
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == -9, r.stderr
+    assert not (tmp_path / "out" / "model" / "config.json").exists()
+    result = finetune(tmp_path / "base", tmp_path / "text.txt", tmp_path / "out", **args, log=lambda *a: None)
+    lm = LM.load(result["model"], progress=False)
+    assert lm.logits([1, 2, 3]).shape == (1, 3, 257)
+    assert not [p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]   # no leftovers

@@ -79,6 +79,7 @@ def _meshtx_train(config, kill_after=None):
                             text=True, env=env)
     lines = []
     for line in proc.stdout:
+        if "model" in json.loads(line): continue   # the last line names the model written: not a step
         lines.append(json.loads(line))
         if kill_after is not None and lines[-1].get("step") == kill_after:
             os.kill(proc.pid, signal.SIGKILL)
@@ -132,8 +133,10 @@ def test_training_run_on_gcs(gcs_bucket, tmp_path, corpus):
     run["total_steps"] = 8
     more = []
     t = train(run, log=more.append)
-    assert json.loads(more[0]) == {"resumed_from": 6} and [json.loads(l)["step"] for l in more[1:]] == [7, 8]
-    assert len(t.history) == 8
+    records = [json.loads(l) for l in more]
+    assert records[0] == {"resumed_from": 6} and [r["step"] for r in records if "step" in r] == [7, 8]
+    assert records[-1] == {"model": f"{gcs_bucket}/runs/a/model"}          # the model of step 8 replaced step 6's
+    assert len(t.history) == 8 and fs.exists(f"{gcs_bucket}/runs/a/model/config.json")
 
 
 def _hf_perplexity(model_dir, text_ids):

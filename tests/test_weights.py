@@ -1,5 +1,6 @@
 """Loading Hugging Face checkpoints in every form they come in, and refusing the ones that do not fit."""
 import json, os, subprocess, sys, textwrap
+from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -120,24 +121,6 @@ def test_no_weights_in_dir(tmp_path):
         LM.from_hf(tmp_path, progress=False)
 
 
-def test_interrupted_save_leaves_previous_checkpoint_intact(tmp_path, monkeypatch):
-    import meshtx.weights as W
-    lm = LM.init(CFG)
-    out = tmp_path / "out"
-    lm.save_hf(out, max_shard_size="100KB", progress=False)
-    before = {f.name: f.read_bytes() for f in out.iterdir()}
-    calls = []
-    def failing_save(*a, **k):
-        calls.append(1)
-        if len(calls) == 2: raise OSError("disk full")
-        return save_file(*a, **k)
-    monkeypatch.setattr(W, "save_file", failing_save)
-    lm2 = LM.init(CFG, seed=1)
-    with pytest.raises(OSError, match="disk full"):
-        lm2.save_hf(out, max_shard_size="100KB", progress=False)
-    assert {f.name: f.read_bytes() for f in out.iterdir()} == before   # no temp dir, nothing replaced
-
-
 def test_tokenizer_from_checkpoint_and_default(tmp_path, hf_checkpoint):
     from meshtx import gpt2_tokenizer, EOT
     big = ModelConfig(n_layer=1, d_model=32, n_head=2, rotary_dim=8, n_vocab=50400, n_ctx=64)
@@ -180,3 +163,78 @@ def test_hub_id_through_huggingface_hub_cache(tmp_path, hf_checkpoint):
     assert r.returncode == 0, r.stderr
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), hf_logits(model, TOKENS), atol=1e-4, rtol=0)
     assert "ERR 'someone/not-cached' is not a local directory, and fetching it from the Hugging Face hub failed" in r.stdout
+
+
+# A save killed at any point (SIGKILL, from an audit hook right before a chosen filesystem step) leaves the earlier
+# save or the new one, whole with its tokenizer; never a mix, never nothing. The next save cleans up after it.
+KILLED_SAVE = textwrap.dedent("""
+    import os, sys, signal
+    from meshtx import LM, ModelConfig
+    from meshtx.tokenizer import ByteTokenizer
+    method, path, event, where, nth = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+    lm = LM.init(ModelConfig(**eval(sys.argv[6])), seed=1, tokenizer=ByteTokenizer())
+    seen = []
+    def hook(ev, args):
+        if ev == event and where in " ".join(map(str, args[:2])):
+            seen.append(ev)
+            if len(seen) == nth: os.kill(os.getpid(), signal.SIGKILL)
+    sys.addaudithook(hook)
+    lm.save_hf(path, max_shard_size="100KB", progress=False) if method == "save_hf" else lm.save(path)
+""")
+BYTES = dict(n_layer=2, d_model=64, n_head=4, rotary_dim=8, n_vocab=257, n_ctx=64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,event,where,nth,expect", [
+    ("save_hf", "open", "/.m.new-", 1, "v1"),         # while the new save is being written (its config.json)
+    ("save_hf", "os.rename", ".m.old-", 1, "v1"),     # before the earlier save is moved aside
+    ("save_hf", "os.rename", "/.m.new-", 1, "v1"),    # between the two renames: `m` missing, the earlier one aside
+    ("save_hf", "os.rename", ".m.del-", 1, "v2"),     # the new one in, the earlier one not yet deleted
+    ("save_hf", "os.remove", "model-0000", 2, "v2"),  # the earlier one half deleted (rmtree removes names in a dir fd)
+    ("save", "open", "meshtx_tokenizer.json", 1, "v1"),   # while the tokenizer is written
+    ("save", "os.rename", "/.m.new-", 1, "v1"),
+])
+def test_killed_save_leaves_a_whole_save(method, event, where, nth, expect, tmp_path):
+    from meshtx.tokenizer import ByteTokenizer
+    import warnings
+    v1, v2 = (LM.init(ModelConfig(**BYTES), seed=s, tokenizer=ByteTokenizer()) for s in (0, 1))
+    path = tmp_path / "m"
+    save = (lambda lm: lm.save_hf(path, max_shard_size="300KB", progress=False)) if method == "save_hf" else (lambda lm: lm.save(path))
+    save(v1)                                              # the earlier save (save_hf: other shards than the new one's)
+    r = subprocess.run([sys.executable, "-c", KILLED_SAVE, method, str(path), event, where, str(nth), repr(BYTES)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9, r.stderr                   # killed where asked
+    with warnings.catch_warnings(record=True):            # (a warning says when an earlier save is put back)
+        back = LM.load(path, dtype="float32", progress=False)
+    want = {"v1": v1, "v2": v2}[expect]                   # every tensor of one save: never a mix
+    for mod, p in (("gptj/wte", "embedding"), ("gptj/blocks/mlp/fc_out", "w"), ("gptj/lm_head", "b")):
+        np.testing.assert_array_equal(back.params[mod][p], want.params[mod][p])
+    assert isinstance(back.tokenizer, ByteTokenizer)
+    save(v2)                                              # the next save works, and removes what the killed one left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    np.testing.assert_array_equal(LM.load(path, dtype="float32", progress=False).params["gptj/wte"]["embedding"],
+                                  v2.params["gptj/wte"]["embedding"])
+
+
+@pytest.mark.parametrize("what", ["shard", "tokenizer"])
+def test_save_into_a_full_disk_keeps_the_earlier_save(what, tmp_path, monkeypatch):
+    """The disk fills up at the second shard (safetensors says so in its own words) or in the tokenizer (tokenizers,
+    in a bare Exception): an OSError names the file, the earlier save stays whole, nothing is left beside it."""
+    import errno, meshtx.weights as W
+    from meshtx.tokenizer import ByteTokenizer
+    LM.init(ModelConfig(**BYTES), tokenizer=ByteTokenizer()).save_hf(tmp_path / "m", max_shard_size="100KB", progress=False)
+    before = {f.name: f.read_bytes() for f in (tmp_path / "m").iterdir()}
+    def full(*a, **k): raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+    calls = []
+    def second_shard_fails(*a, **k):
+        calls.append(1)
+        return full() if len(calls) == 2 else save_file(*a, **k)
+    if what == "shard": monkeypatch.setattr(W, "save_file", second_shard_fails)
+    else: monkeypatch.setattr(ByteTokenizer, "save_pretrained", full)
+    with pytest.raises(OSError) as e:
+        LM.init(ModelConfig(**BYTES), seed=1, tokenizer=ByteTokenizer()).save_hf(tmp_path / "m", max_shard_size="100KB", progress=False)
+    named = Path(e.value.filename)
+    assert e.value.errno == errno.ENOSPC and named.parent == tmp_path / "m"
+    assert named.name.startswith("model-00002-of-") if what == "shard" else named.name == "tokenizer.json"
+    assert {f.name: f.read_bytes() for f in (tmp_path / "m").iterdir()} == before   # nothing replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]                      # nothing left beside it
