@@ -600,16 +600,18 @@ def load_mtj_checkpoint(path, config: ModelConfig, shardings=None, storage_optio
                                                 + total("embedding_shard/~/linear/b"),
             ("gptj/blocks/ln_1", "scale"): lambda: stacked(lambda l: leaf(l + "replicated_layer_norm/scale", 0)),
             ("gptj/blocks/ln_1", "offset"): lambda: stacked(lambda l: leaf(l + "replicated_layer_norm/offset", 0)),
-            ("gptj/blocks/attn", "qkv"): lambda: stacked(lambda l: np.stack(   # q, k, v = linear, linear_2, linear_1
-                [cat(l + "linear/w", 1), cat(l + "linear_2/w", 1), cat(l + "linear_1/w", 1)], axis=1)),
-            ("gptj/blocks/attn", "out"): lambda: stacked(lambda l: cat(l + "linear_3/w", 0)),
-            ("gptj/blocks/mlp/fc_in", "w"): lambda: stacked(lambda l: cat(l + "linear_4/w", 1)),
+            # haiku's Linear stores [in, out]; meshtx [out, in]. q, k, v = linear, linear_2, linear_1
+            ("gptj/blocks/attn", "q"): lambda: stacked(lambda l: cat(l + "linear/w", 1).T),
+            ("gptj/blocks/attn", "k"): lambda: stacked(lambda l: cat(l + "linear_2/w", 1).T),
+            ("gptj/blocks/attn", "v"): lambda: stacked(lambda l: cat(l + "linear_1/w", 1).T),
+            ("gptj/blocks/attn", "out"): lambda: stacked(lambda l: cat(l + "linear_3/w", 0).T),
+            ("gptj/blocks/mlp/fc_in", "w"): lambda: stacked(lambda l: cat(l + "linear_4/w", 1).T),
             ("gptj/blocks/mlp/fc_in", "b"): lambda: stacked(lambda l: cat(l + "linear_4/b", 0)),
-            ("gptj/blocks/mlp/fc_out", "w"): lambda: stacked(lambda l: cat(l + "linear_5/w", 0)),
+            ("gptj/blocks/mlp/fc_out", "w"): lambda: stacked(lambda l: cat(l + "linear_5/w", 0).T),
             ("gptj/blocks/mlp/fc_out", "b"): lambda: stacked(lambda l: total(l + "linear_5/b")),
             ("gptj/ln_f", "scale"): lambda: leaf("projection_shard/~/replicated_layer_norm/scale", 0),
             ("gptj/ln_f", "offset"): lambda: leaf("projection_shard/~/replicated_layer_norm/offset", 0),
-            ("gptj/lm_head", "w"): lambda: cat("projection_shard/~/linear/w", 1),
+            ("gptj/lm_head", "w"): lambda: cat("projection_shard/~/linear/w", 1).T,
             ("gptj/lm_head", "b"): lambda: cat("projection_shard/~/linear/b", 0),
         }
         one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -12,7 +12,7 @@ import numpy as np
 import jax, jax.numpy as jnp
 from fastcore.basics import patch
 from .config import ModelConfig, LoRAConfig
-from .model import gptj, init_params, no_hint, param_shapes
+from .model import gptj, init_params, no_hint, param_shapes, split_layers, BLOCKS
 from .weights import (load_hf_params, load_params, is_meshtx_checkpoint, checkpoint_files, MESHTX_CONFIG,
                             replace_dir, recover_dir, SAVE_FILES, _write_hf, _write_params, _writing)
 from .data import is_remote, fetch_dir, save_remote
@@ -20,7 +20,7 @@ from .tokenizer import gpt2_tokenizer, load_tokenizer, has_tokenizer, EOT, TOKEN
 from .sharding import param_shardings, shard_params, activation_hint, batch_sharding
 
 # %% auto #0
-__all__ = ['resolve_checkpoint', 'enable_compilation_cache', 'LM']
+__all__ = ['resolve_checkpoint', 'enable_compilation_cache', 'LM', 'layer_views']
 
 # %% ../nbs/04_lm.ipynb #de8ab472
 _COMMON = ["*.json", "*.txt", "*.model"]
@@ -192,7 +192,9 @@ def logits(self: LM, tokens, attention_mask=None) -> jax.Array:
     if self.mesh is not None:   # the batch is split over dp × fsdp
         put = lambda x: jax.device_put(x, batch_sharding(self.mesh, tokens.shape))
         tokens, attention_mask = put(tokens), None if attention_mask is None else put(attention_mask)
-    with self.lock: return self._forward(self.params, tokens, attention_mask)
+    with self.lock:
+        params, layers = self._weights()
+        return self._forward(params, tokens, attention_mask, layers=layers)
 
 # %% ../nbs/04_lm.ipynb #a3d8d78f
 def _no_adapters(lm):
@@ -254,3 +256,25 @@ def shard(self: LM, mesh) -> LM:
     self.params, self.mesh = shard_params(self.params, mesh), mesh
     self._forward = jax.jit(gptj(self.config, activation_hint(mesh), self.lora).apply)
     return self
+
+# %% ../nbs/04_lm.ipynb #aebe919e
+def _one_cpu(x) -> bool:
+    return isinstance(x, jax.Array) and x.is_fully_addressable and len(x.devices()) == 1 and \
+        next(iter(x.devices())).platform == "cpu"
+
+def _layer_view(stack: jax.Array, i: int) -> jax.Array:
+    "Layer `i` of `stack` `[n_layer, ...]`: a device array over the same memory."
+    return jax.device_put(np.asarray(stack)[i], next(iter(stack.devices())))
+
+def layer_views(params: dict) -> tuple[dict, list] | None:
+    "`split_layers(params)`, each layer a view of the stacked arrays' memory, if all are on one CPU device; else None."
+    stacks = [x for m, ps in params.items() if m.startswith(BLOCKS) for x in ps.values()]
+    if not stacks or not all(_one_cpu(x) for x in jax.tree.leaves(params)): return None
+    if len({next(iter(x.devices())) for x in stacks}) > 1: return None
+    if any(x.unsafe_buffer_pointer() % 64 or x.nbytes // x.shape[0] % 64 for x in stacks): return None   # would copy
+    return split_layers(params, _layer_view)
+
+@patch
+def _weights(self: LM) -> tuple[dict, list | None]:
+    "What the compiled functions take: `(params, None)`, or on one CPU device `layer_views(params)`."
+    return (layer_views(self.params) if self.mesh is None else None) or (self.params, None)

@@ -56,14 +56,14 @@ def merge_adapters(params: dict, lora: LoRAConfig) -> dict:
     def merge(base, adapters):
         def delta(module, target):
             a, b = adapters[module][f"lora_{target}_a"], adapters[module][f"lora_{target}_b"]
-            return jnp.einsum("...ir,...ro->...io", a.astype(jnp.float32), b.astype(jnp.float32)) * lora.scale
+            return jnp.einsum("...ir,...ro->...oi", a.astype(jnp.float32), b.astype(jnp.float32)) * lora.scale   # [out, in]
         out = {m: dict(ps) for m, ps in base.items()}
         attn, fc_in, fc_out = "gptj/blocks/attn", "gptj/blocks/mlp/fc_in", "gptj/blocks/mlp/fc_out"
         def add(module, name, d, index=...):
             w = out[module][name]
             out[module][name] = w.at[index].set((w[index].astype(jnp.float32) + d).astype(w.dtype))
-        for i, t in enumerate("qkv"):
-            if t in lora.targets: add(attn, "qkv", delta(attn, t), (slice(None), slice(None), i))
+        for t in "qkv":
+            if t in lora.targets: add(attn, t, delta(attn, t))
         if "out" in lora.targets: add(attn, "out", delta(attn, "out"))
         if "fc_in" in lora.targets: add(fc_in, "w", delta(fc_in, "fc_in"))
         if "fc_out" in lora.targets: add(fc_out, "w", delta(fc_out, "fc_out"))

@@ -16,9 +16,10 @@ import optax
 from .config import ModelConfig, LoRAConfig
 
 # %% auto #0
-__all__ = ['REMAT_POLICY', 'LOSS_ROWS', 'rotary_angles', 'apply_rotary', 'attend', 'self_attention', 'KVCache', 'attend_cached',
-           'cache_read', 'low_rank', 'lora_update', 'linear', 'layer_norm', 'gelu_new', 'no_hint', 'block', 'add_bias',
-           'GPTJ', 'gptj', 'init_params', 'param_shapes', 'cross_entropy', 'fused_cross_entropy']
+__all__ = ['REMAT_POLICY', 'BLOCKS', 'LOSS_ROWS', 'rotary_angles', 'apply_rotary', 'attend', 'self_attention', 'KVCache',
+           'attend_cached', 'cache_read', 'low_rank', 'lora_update', 'dense', 'linear', 'layer_norm', 'gelu_new',
+           'no_hint', 'block', 'add_bias', 'split_layers', 'run_layers', 'GPTJ', 'gptj', 'init_params', 'param_shapes',
+           'cross_entropy', 'fused_cross_entropy']
 
 # %% ../nbs/01_model.ipynb #3d5d82b2
 def rotary_angles(positions: jax.Array, rotary_dim: int, base: float = 10000.0):
@@ -208,10 +209,14 @@ def lora_update(x, target: str, n_out: int, cfg: ModelConfig, lora: LoRAConfig |
     b = hk.get_parameter(f"lora_{target}_b", (lora.rank, n_out), jnp.float32, init=jnp.zeros).astype(cfg.compute_dtype)
     return low_rank(x, a, b * jnp.asarray(lora.scale, cfg.compute_dtype))
 
+def dense(x, w):
+    "`x @ wᵀ` for a weight `w` `[n_out, n_in]` (`torch.nn.Linear`'s layout), accumulated in float32, in `x`'s dtype."
+    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
 def linear(x, n_out: int, cfg: ModelConfig, name: str, lora: LoRAConfig | None = None):
-    "`x @ w + b` with `w` `[n_in, n_out]` and bias `b`, in the compute dtype (plus a LoRA update if `lora` targets `name`)."
+    "`x @ wᵀ + b` with `w` `[n_out, n_in]` and bias `b`, in the compute dtype (plus a LoRA update if `lora` targets `name`)."
     with hk.name_scope(name):
-        y = x @ _param("w", (x.shape[-1], n_out), cfg) + _param("b", (n_out,), cfg, jnp.zeros)
+        y = dense(x, _param("w", (n_out, x.shape[-1]), cfg)) + _param("b", (n_out,), cfg, jnp.zeros)
         return y + lora_update(x, name, n_out, cfg, lora)
 
 def layer_norm(x, cfg: ModelConfig, name: str):
@@ -252,14 +257,12 @@ def block(x, sin, cos, mask, cfg: ModelConfig, cache: KVCache | None = None, lay
     H, dh = cfg.n_head, cfg.d_head
     h = layer_norm(x, cfg, "ln_1")
     with hk.name_scope("attn"):
-        qkv = jnp.einsum("btd,dkf->btkf", h, _param("qkv", (D, 3, H * dh), cfg))
-        for i, t in enumerate("qkv"):
-            if lora is not None and t in lora.targets: qkv = qkv.at[:, :, i].add(lora_update(h, t, H * dh, cfg, lora))
-        q, k, v = (hint(qkv[:, :, i].reshape(B, T, H, dh), "heads") for i in range(3))
+        q, k, v = (hint((dense(h, _param(t, (H * dh, D), cfg)) + lora_update(h, t, H * dh, cfg, lora)).reshape(B, T, H, dh),
+                        "heads") for t in "qkv")
         q, k = apply_rotary(q, sin, cos), apply_rotary(k, sin, cos)
         a = self_attention(q, k, v, mask, cfg) if cache is None else attend_cached(q, k, v, mask, cache, layer, cache_read(cfg))
         a = hint(a, "heads").reshape(B, T, H * dh)
-        attn_out = a @ _param("out", (H * dh, D), cfg) + lora_update(a, "out", D, cfg, lora)
+        attn_out = dense(a, _param("out", (D, H * dh), cfg)) + lora_update(a, "out", D, cfg, lora)
     with hk.name_scope("mlp"):
         f = gelu_new(hint(linear(h, cfg.d_ff, cfg, "fc_in", lora), "ff"))
         mlp_out = linear(f, D, cfg, "fc_out", lora)
@@ -274,6 +277,32 @@ def add_bias(y: jax.Array, b: jax.Array) -> jax.Array:
 add_bias.defvjp(lambda y, b: (y + b, None),
                 lambda _, g: (g, jnp.einsum("bt,btv->v", jnp.ones(g.shape[:2], g.dtype), g)))
 
+# %% ../nbs/01_model.ipynb #4d8b35dd
+BLOCKS = "gptj/blocks/"   # the stacked blocks' modules, `[n_layer, ...]` parameters
+
+def split_layers(params: dict, take=lambda stack, i: stack[i]) -> tuple[dict, list[dict]]:
+    "`params` without the blocks', and the blocks' as one dict per layer (`take(stack, i)` cuts layer `i` out)."
+    outer = {m: ps for m, ps in params.items() if not m.startswith(BLOCKS)}
+    blocks = {m[len(BLOCKS):]: ps for m, ps in params.items() if m.startswith(BLOCKS)}
+    n = next(iter(next(iter(blocks.values())).values())).shape[0]
+    return outer, [{m: {p: take(x, i) for p, x in ps.items()} for m, ps in blocks.items()} for i in range(n)]
+
+_block = hk.without_apply_rng(hk.transform(block))   # one block, as a pure function of one layer's weights
+
+def run_layers(layers: list, x, sin, cos, live, attention_mask, cache, cfg, hint=no_hint, lora=None):
+    "The blocks on `x`, in a loop over `layers` (each one layer's weights): the new `x` and the updated cache (or None)."
+    T = x.shape[1]
+    mask = None if cache is None and attention_mask is None else jnp.tril(jnp.ones((T, T), bool))[None] & live[:, None, :]
+    run = lambda p, x, i: _block.apply(p, x, sin, cos, mask, cfg, cache, i, hint=hint, lora=lora)
+    if cfg.remat and cache is None: run = jax.checkpoint(run, policy=REMAT_POLICY[cfg.remat_policy], static_argnums=2)
+    kv = []
+    for i, p in enumerate(layers):
+        x, new = run(p, x, i)
+        kv.append(new)
+    if cache is None: return x, None
+    k, v = (jnp.stack([n[j].astype(cache.k.dtype) for n in kv]) for j in (0, 1))
+    return x, cache.write(k, v, live)
+
 # %% ../nbs/01_model.ipynb #b107c687
 class GPTJ(hk.Module):
     """GPT-J: `tokens [B, T]` → float32 `logits [B, T, n_vocab]` (`[B, logits_to_keep, n_vocab]` when asked; and an updated
@@ -283,7 +312,7 @@ class GPTJ(hk.Module):
         self.cfg, self.hint, self.lora = config, hint, lora
 
     def __call__(self, tokens, attention_mask=None, cache: KVCache | None = None, logits_to_keep: int = 0,
-                 targets=None, loss_mask=None):
+                 targets=None, loss_mask=None, layers: list | None = None):
         cfg = self.cfg
         B, T = tokens.shape
         live = jnp.ones((B, T), bool) if attention_mask is None else attention_mask.astype(bool)
@@ -294,7 +323,9 @@ class GPTJ(hk.Module):
         with hk.name_scope("wte"):
             x = self.hint(jnp.take(_param("embedding", (cfg.n_vocab, cfg.d_model), cfg), tokens, axis=0), "act")
 
-        if cache is None:
+        if layers is not None:   # the blocks' weights one layer at a time (`split_layers`): a loop, no stack
+            x, new_cache = run_layers(layers, x, sin, cos, live, attention_mask, cache, cfg, self.hint, self.lora)
+        elif cache is None:
             mask = None if attention_mask is None else jnp.tril(jnp.ones((T, T), bool))[None] & live[:, None, :]
             def body(x):
                 return block(x, sin, cos, mask, cfg, hint=self.hint, lora=self.lora)[0]
@@ -310,26 +341,33 @@ class GPTJ(hk.Module):
                 x, jnp.arange(cfg.n_layer))
             new_cache = cache.write(k, v, live)   # all layers' new keys and values, written in place once
 
+        return self.head(x, logits_to_keep, targets, loss_mask, new_cache)
+
+    @hk.transparent   # its parameters are the model's own (`gptj/lm_head`), not a `~head` scope's
+    def head(self, x, logits_to_keep, targets, loss_mask, new_cache):
+        "The final LayerNorm and the lm head: logits (with the cache), or the loss of `targets`."
+        cfg, (B, T) = self.cfg, x.shape[:2]
         if logits_to_keep: x = x[:, -logits_to_keep:]   # e.g. 1 when a prompt only needs its next token
         h = layer_norm(x, cfg, "ln_f")
         with hk.name_scope("lm_head"):
-            w = _param("w", (cfg.d_model, cfg.n_vocab), cfg)
+            w = _param("w", (cfg.n_vocab, cfg.d_model), cfg)
             b = hk.get_parameter("b", (cfg.n_vocab,), jnp.dtype(cfg.param_dtype), init=jnp.zeros)
         if targets is not None:   # training: the mean cross-entropy, without materialising the logits
             weights = jnp.ones((B, T), jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
             rows = LOSS_ROWS * getattr(self.hint, "batch_shards", 1)   # a chunk of LOSS_ROWS tokens per device
             return fused_cross_entropy(h, w, b, targets, weights / jnp.maximum(weights.sum(), 1.0), self.hint, rows)
-        logits = self.hint(add_bias(jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32), b.astype(jnp.float32)), "logits")
-        return logits if cache is None else (logits, new_cache)
+        logits = self.hint(add_bias(jnp.einsum("btd,vd->btv", h, w, preferred_element_type=jnp.float32), b.astype(jnp.float32)), "logits")
+        return logits if new_cache is None else (logits, new_cache)
 
 # %% ../nbs/01_model.ipynb #caf01be8
 def gptj(config: ModelConfig, hint=no_hint, lora: LoRAConfig | None = None) -> hk.Transformed:
     """The pure `init(rng, tokens)` / `apply(params, tokens, attention_mask=None, cache=None, logits_to_keep=0,
-    targets=None, loss_mask=None)` pair for `config` (with `lora` adapters). `logits_to_keep=n` computes the logits of
-    only the last `n` positions; `targets` returns the training loss (`fused_cross_entropy`) instead of logits."""
+    targets=None, loss_mask=None, layers=None)` pair for `config` (with `lora` adapters). `logits_to_keep=n` computes the
+    logits of only the last `n` positions; `targets` returns the training loss (`fused_cross_entropy`) instead of logits;
+    `layers` gives the blocks' weights one layer at a time (`split_layers`) instead of stacked in `params`."""
     return hk.without_apply_rng(hk.transform(
-        lambda tokens, attention_mask=None, cache=None, logits_to_keep=0, targets=None, loss_mask=None:
-        GPTJ(config, hint, lora)(tokens, attention_mask, cache, logits_to_keep, targets, loss_mask)))
+        lambda tokens, attention_mask=None, cache=None, logits_to_keep=0, targets=None, loss_mask=None, layers=None:
+        GPTJ(config, hint, lora)(tokens, attention_mask, cache, logits_to_keep, targets, loss_mask, layers)))
 
 def init_params(config: ModelConfig, seed: int = 0, shardings=None) -> dict:
     """Randomly initialised parameters (normal(0, 0.02) weights, zero biases, unit LayerNorms, as in HF).
@@ -353,7 +391,7 @@ LOSS_ROWS = 512   # tokens per chunk of the fused loss: the fastest of 256 to 2,
 
 def _loss_chunk(h, w, b, targets, weights, hint, grads: bool):
     "Weighted cross-entropy sum of one chunk of tokens; with `grads`, also its gradients for `h`, `w`, `b`."
-    logits = hint(jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32) + b.astype(jnp.float32), "logits")
+    logits = hint(jnp.einsum("btd,vd->btv", h, w, preferred_element_type=jnp.float32) + b.astype(jnp.float32), "logits")
     top = logits.max(-1, keepdims=True)
     e = jnp.exp(logits - top)
     total = e.sum(-1, keepdims=True)
@@ -362,8 +400,8 @@ def _loss_chunk(h, w, b, targets, weights, hint, grads: bool):
     loss = (nll * weights).sum()
     if not grads: return loss
     dlogits = ((e / total - hit) * weights[..., None]).astype(w.dtype)   # d loss / d logits
-    dh = jnp.einsum("btv,dv->btd", dlogits, w, preferred_element_type=jnp.float32).astype(h.dtype)
-    dw = jnp.einsum("btd,btv->dv", h, dlogits, preferred_element_type=jnp.float32)
+    dh = jnp.einsum("btv,vd->btd", dlogits, w, preferred_element_type=jnp.float32).astype(h.dtype)
+    dw = jnp.einsum("btv,btd->vd", dlogits, h, preferred_element_type=jnp.float32)
     db = jnp.einsum("bt,btv->v", jnp.ones(dlogits.shape[:2], dlogits.dtype), dlogits, preferred_element_type=jnp.float32)
     return loss, dh, dw, db
 
@@ -378,7 +416,7 @@ def _n_chunks(B: int, T: int, rows: int) -> int:
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def fused_cross_entropy(h, w, b, targets, weights, hint=no_hint, rows: int = LOSS_ROWS):
-    """`Σ weights · nll` of integer `targets` `[B, T]` under the logits `h @ w + b` (`h` `[B, T, d]`, `w` `[d, V]`), in
+    """`Σ weights · nll` of integer `targets` `[B, T]` under the logits `h @ wᵀ + b` (`h` `[B, T, d]`, `w` `[V, d]`), in
     chunks of at most `rows` tokens, never materialising `[B, T, V]`. `weights` `[B, T]` float (e.g. `1/(B·T)`)."""
     n = _n_chunks(*targets.shape, rows)
     if n == 1: return _loss_chunk(h, w, b, targets, weights, hint, False)

@@ -158,17 +158,22 @@ _CHECKS = {
 }
 
 # %% ../nbs/05_sampling.ipynb #900f0198
+_LOOP_OPTIONS = {"cpu": {"xla_disable_hlo_passes": "while-loop-invariant-code-motion",   # XLA options, by backend
+                         "xla_cpu_copy_insertion_use_region_analysis": True}}
+
 class _Compiled:
     "The jitted prefill and decode functions of one model on one mesh (compiled per bucketed shape)."
     def __init__(self, lm: LM):
         hint = activation_hint(lm.mesh) if lm.mesh is not None else no_hint
         model = gptj(lm.config, hint, lm.lora)
         V = lm.config.n_vocab
-        self.prefill = jax.jit(lambda params, tokens, mask, cache: _prefill(model.apply, params, tokens, mask, cache, V),
-                               donate_argnums=3)
-        def decode(params, state, opts, limit, eos, stops, until):
-            return _decode(lambda tok, cache: model.apply(params, tok, None, cache), state, opts, limit, eos, stops, until)
-        self.decode = jax.jit(decode, donate_argnums=1)
+        # `params, layers`: the weights as `LM._weights` gives them (the blocks' one layer at a time on a CPU)
+        self.prefill = jax.jit(lambda params, layers, tokens, mask, cache:
+                               _prefill(partial(model.apply, layers=layers), params, tokens, mask, cache, V), donate_argnums=4)
+        def decode(params, layers, state, opts, limit, eos, stops, until):
+            apply = lambda tok, cache: model.apply(params, tok, None, cache, layers=layers)
+            return _decode(apply, state, opts, limit, eos, stops, until)
+        self.decode = jax.jit(decode, donate_argnums=2, compiler_options=_LOOP_OPTIONS.get(jax.default_backend()))
         self.config, self.mesh, self._empty = lm.config, lm.mesh, {}
 
     def empty_cache(self, batch: int, max_len: int) -> KVCache:
@@ -252,8 +257,10 @@ def generate(self: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, 
     eos = -1 if eos_token_id is None else int(eos_token_id)
     stops, stop_strings = _stop_ids(self, stop)
 
-    # bucket the shapes: batch, prompt and generation length round up to powers of two
-    Bb, P, N = _bucket(B, 1), _bucket(max(map(len, ids))), _bucket(n_new)
+    # bucket the shapes: batch, prompt and generation length round up to powers of two; a lone bf16 row gets a padding
+    # row on the CPU, whose matrix library multiplies bf16 natively only with 2 rows or more
+    least = 2 if jax.default_backend() == "cpu" and self.config.compute_dtype != "float32" else 1
+    Bb, P, N = _bucket(B, least), _bucket(max(map(len, ids))), _bucket(n_new)
     if self.mesh is not None:
         rows = self.mesh.shape["dp"] * self.mesh.shape["fsdp"]
         Bb = -(-Bb // rows) * rows
@@ -272,7 +279,7 @@ def generate(self: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, 
     def call(f, *args, **kw):   # the weights are read under the lock at each device call: a training step in another
         with self.lock:         # thread donates them, and then the next call takes the new ones
             if self.lora is not lora: raise RuntimeError("the model's LoRA adapters were merged or replaced during this generation: generate again")
-            return f(self.params, *args, **kw)
+            return f(*self._weights(), *args, **kw)
     cache, last, seen = call(fns.prefill, tokens, mask, cache)
     state = State(cache, last, jnp.zeros((Bb, N), jnp.int32), jnp.zeros((Bb, N), jnp.float32), seen,
                   jnp.asarray(np.arange(Bb) >= B), jnp.zeros((Bb,), jnp.int32), jnp.zeros((), jnp.int32))

@@ -78,12 +78,12 @@ def make_mesh(dp=None, fsdp=None, mp=None, devices=None, *, config: ModelConfig 
 # %% ../nbs/03_sharding.ipynb #9c156800
 PARTITION_RULES = (
     (r"wte/embedding$",       P("mp", "fsdp")),              # [V, D]       vocab-parallel
-    (r"attn/qkv$",            P(None, "fsdp", None, "mp")),  # [L, D, 3, HD] column-parallel: whole heads per device
-    (r"attn/out$",            P(None, "mp", "fsdp")),        # [L, HD, D]   row-parallel
-    (r"mlp/fc_in/w$",         P(None, "fsdp", "mp")),        # [L, D, F]    column-parallel
+    (r"attn/[qkv]$",          P(None, "mp", "fsdp")),        # [L, HD, D]   column-parallel: whole heads per device
+    (r"attn/out$",            P(None, "fsdp", "mp")),        # [L, D, HD]   row-parallel
+    (r"mlp/fc_in/w$",         P(None, "mp", "fsdp")),        # [L, F, D]    column-parallel
     (r"mlp/fc_in/b$",         P(None, "mp")),                # [L, F]
-    (r"mlp/fc_out/w$",        P(None, "mp", "fsdp")),        # [L, F, D]    row-parallel
-    (r"lm_head/w$",           P("fsdp", "mp")),              # [D, V]       vocab-parallel
+    (r"mlp/fc_out/w$",        P(None, "fsdp", "mp")),        # [L, D, F]    row-parallel
+    (r"lm_head/w$",           P("mp", "fsdp")),              # [V, D]       vocab-parallel
     (r"lm_head/b$",           P("mp")),                      # [V]
     (r".*",                   P()),                          # LayerNorms, fc_out's bias: replicated
 )

@@ -7,14 +7,15 @@ Docs: https://meshtx.github.io/meshtx/train.html.md"""
 # %% ../nbs/08_train.ipynb #972b09b9
 from __future__ import annotations
 import contextlib, dataclasses, math, numbers, signal, threading, time
+from functools import partial
 from pathlib import Path
 import numpy as np
 import jax, jax.numpy as jnp
 import optax
 from fastcore.basics import patch
 from .config import ModelConfig, LoRAConfig
-from .model import gptj, no_hint
-from .lm import LM
+from .model import gptj, no_hint, split_layers
+from .lm import LM, layer_views
 from .lora import split_adapters, join
 from .checkpoint import check_keep
 from .data import TokenData
@@ -24,8 +25,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 # %% auto #0
-__all__ = ['DEMO_CONFIG', 'lr_schedule', 'decay_mask', 'make_optimizer', 'TrainState', 'make_train_step', 'Trainer',
-           'demo_corpus', 'random_windows', 'demo']
+__all__ = ['DEMO_CONFIG', 'lr_schedule', 'decay_mask', 'make_optimizer', 'TrainState', 'next_token_loss', 'make_train_step',
+           'Trainer', 'demo_corpus', 'random_windows', 'demo']
 
 # %% ../nbs/08_train.ipynb #5127e80a
 def lr_schedule(lr: float, end_lr: float, warmup_steps: int, anneal_steps: int):
@@ -63,12 +64,19 @@ class TrainState:
     opt_state: object
     step: jax.Array
 
+def next_token_loss(model, params, frozen, tokens):
+    """The mean next-token loss of `tokens` `[B, T+1]` under the trainable `params` and the `frozen` ones: a tree, or
+    on one CPU `(tree, list of per-layer trees)` from `layer_views`, each layer then joined with its slice of `params`."""
+    if not isinstance(frozen, tuple): return model.apply(join(frozen, params), tokens[:, :-1], targets=tokens[:, 1:])
+    (outer, layers), (p_outer, p_layers) = frozen, split_layers(params)
+    return model.apply(join(outer, p_outer), tokens[:, :-1], targets=tokens[:, 1:],
+                       layers=[join(f, p) for f, p in zip(layers, p_layers)])
+
 def make_train_step(config: ModelConfig, optimizer, mesh=None, lora: LoRAConfig | None = None):
     """`step(state, batch [accum, B, T+1], frozen={}) -> (state, metrics)`: jitted with the state donated; with a
     `mesh`, left for the caller to jit with its shardings (as the `Trainer` does)."""
     model = gptj(config, activation_hint(mesh) if mesh is not None else no_hint, lora)
-    def loss_fn(params, frozen, tokens):
-        return model.apply(join(frozen, params), tokens[:, :-1], targets=tokens[:, 1:])
+    loss_fn = partial(next_token_loss, model)
     def step(state: TrainState, batch, frozen=None):
         frozen = {} if frozen is None else frozen
         def micro(acc, tokens):
@@ -146,13 +154,16 @@ class Trainer:
         if mesh is not None: step0 = jax.device_put(step0, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         self.state = TrainState(trainable, opt_state, step0)
         model = gptj(lm.config, activation_hint(mesh) if mesh is not None else no_hint, lm.lora)
-        def eval_loss(params, batch):   # [accum, B, T+1] -> mean loss over all rows
-            tokens = batch.reshape(-1, batch.shape[-1])
-            return model.apply(params, tokens[:, :-1], targets=tokens[:, 1:])
+        def eval_loss(params, frozen, batch):   # [accum, B, T+1] -> mean loss over all rows
+            return next_token_loss(model, params, frozen, batch.reshape(-1, batch.shape[-1]))
         self._eval = jax.jit(eval_loss)
 
     @property
     def params(self): return self.state.params
+
+    def _frozen(self):
+        "The frozen weights as the step takes them: on one CPU device, the base's blocks one layer at a time (`layer_views`)."
+        return (layer_views(self.frozen) if self.frozen and self.lm.mesh is None else None) or self.frozen
 
     def _sync_lm(self):
         self.lm.params = join(self.frozen, self.state.params) if self.frozen else self.state.params
@@ -202,7 +213,7 @@ def step(self: Trainer) -> dict:
     # the step donates the weights, which other threads may be reading (they take the LM's lock too); and a Ctrl-C
     # between the update and its record would leave a state that is updated but not counted, or half replaced
     with _interrupts_deferred(), self.lm.lock:
-        self.state, m = self._step(self.state, tokens, self.frozen)
+        self.state, m = self._step(self.state, tokens, self._frozen())
         self._sync_lm()   # the step took the old state's buffers (donated): the LM must not keep pointing at them
         m = {k: v.item() for k, v in jax.device_get(m).items()}   # waits for the step (and keeps CPU collectives sane)
         dt = time.perf_counter() - t0
@@ -244,8 +255,7 @@ def evaluate(self: Trainer, batches=None) -> float:
     if batches is None: raise ValueError("no validation data: pass val_data to the Trainer or batches here")
     self._check_model()
     with self.lm.lock:   # not while a step in another thread donates these weights
-        params = join(self.frozen, self.state.params) if self.frozen else self.state.params
-        losses = [float(self._eval(params, self._put(b))) for b in batches]
+        losses = [float(self._eval(self.state.params, self._frozen(), self._put(b))) for b in batches]
     if not losses: raise ValueError("no validation batches: the iterable is empty (or an iterator already used up)")
     return float(np.mean(losses))
 

@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/weights.html.md"""
 
 # %% ../nbs/02_weights.ipynb #fc0abd5b
 from __future__ import annotations
-import errno, glob, itertools, json, os, re, shutil, uuid, warnings
+import errno, glob, itertools, json, math, os, re, shutil, uuid, warnings
 from functools import partial
 from pathlib import Path
 import numpy as np
@@ -16,52 +16,38 @@ from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 from .config import ModelConfig, DTYPES
 from .model import param_shapes
+from .torchfile import TorchFile
 
 # %% auto #0
-__all__ = ['IGNORED', 'ALL', 'SAVE_FILES', 'MESHTX_CONFIG', 'MESHTX_PARAMS', 'hf_tensor_map', 'hf_shape', 'checkpoint_files',
-           'open_checkpoint', 'check_checkpoint', 'load_hf_params', 'recover_dir', 'replace_dir', 'hf_tensors',
-           'save_hf_params', 'is_meshtx_checkpoint', 'save_params', 'load_params']
+__all__ = ['IGNORED', 'SAVE_FILES', 'MESHTX_CONFIG', 'MESHTX_PARAMS', 'LAYOUT', 'OLD_LAYOUT', 'hf_tensor_map', 'hf_shapes',
+           'checkpoint_files', 'open_checkpoint', 'check_checkpoint', 'assemble', 'load_hf_params', 'recover_dir',
+           'replace_dir', 'hf_tensors', 'save_hf_params', 'is_meshtx_checkpoint', 'save_params', 'load_params']
 
 # %% ../nbs/02_weights.ipynb #875c3bd5
-_BLOCK = [  # (HF name inside transformer.h.{i}., meshtx module, param, transpose, qkv slot)
-    ("ln_1.weight", "gptj/blocks/ln_1", "scale", False, None),
-    ("ln_1.bias", "gptj/blocks/ln_1", "offset", False, None),
-    ("attn.q_proj.weight", "gptj/blocks/attn", "qkv", True, 0),
-    ("attn.k_proj.weight", "gptj/blocks/attn", "qkv", True, 1),
-    ("attn.v_proj.weight", "gptj/blocks/attn", "qkv", True, 2),
-    ("attn.out_proj.weight", "gptj/blocks/attn", "out", True, None),
-    ("mlp.fc_in.weight", "gptj/blocks/mlp/fc_in", "w", True, None),
-    ("mlp.fc_in.bias", "gptj/blocks/mlp/fc_in", "b", False, None),
-    ("mlp.fc_out.weight", "gptj/blocks/mlp/fc_out", "w", True, None),
-    ("mlp.fc_out.bias", "gptj/blocks/mlp/fc_out", "b", False, None),
+_BLOCK = [  # (HF name inside transformer.h.{i}., meshtx module, param)
+    ("ln_1.weight", "gptj/blocks/ln_1", "scale"), ("ln_1.bias", "gptj/blocks/ln_1", "offset"),
+    ("attn.q_proj.weight", "gptj/blocks/attn", "q"), ("attn.k_proj.weight", "gptj/blocks/attn", "k"),
+    ("attn.v_proj.weight", "gptj/blocks/attn", "v"), ("attn.out_proj.weight", "gptj/blocks/attn", "out"),
+    ("mlp.fc_in.weight", "gptj/blocks/mlp/fc_in", "w"), ("mlp.fc_in.bias", "gptj/blocks/mlp/fc_in", "b"),
+    ("mlp.fc_out.weight", "gptj/blocks/mlp/fc_out", "w"), ("mlp.fc_out.bias", "gptj/blocks/mlp/fc_out", "b"),
 ]
-_TOP = [
-    ("transformer.wte.weight", "gptj/wte", "embedding", False),
-    ("transformer.ln_f.weight", "gptj/ln_f", "scale", False),
-    ("transformer.ln_f.bias", "gptj/ln_f", "offset", False),
-    ("lm_head.weight", "gptj/lm_head", "w", True),
-    ("lm_head.bias", "gptj/lm_head", "b", False),
-]
+_TOP = [("transformer.wte.weight", "gptj/wte", "embedding"), ("transformer.ln_f.weight", "gptj/ln_f", "scale"),
+        ("transformer.ln_f.bias", "gptj/ln_f", "offset"), ("lm_head.weight", "gptj/lm_head", "w"),
+        ("lm_head.bias", "gptj/lm_head", "b")]
 # buffers some checkpoints carry that are not parameters (the causal mask, its fill value)
 IGNORED = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)$")
 
 def hf_tensor_map(config: ModelConfig) -> dict:
-    "`{hf_name: (module, param, index, transpose)}` for every tensor of a Hugging Face GPT-J with this config."
-    m = {name: (mod, p, (), t) for name, mod, p, t in _TOP}
+    "`{hf_name: (module, param, index)}`: each tensor of a Hugging Face GPT-J with this config is `params[module][param][index]`."
+    m = {name: (mod, p, ()) for name, mod, p in _TOP}
     for i in range(config.n_layer):
-        for name, mod, p, t, slot in _BLOCK:
-            m[f"transformer.h.{i}.{name}"] = (mod, p, (i,) if slot is None else (i, ALL, slot), t)
+        for name, mod, p in _BLOCK: m[f"transformer.h.{i}.{name}"] = (mod, p, (i,))
     return m
 
-ALL = "all"  # an index entry that takes the whole axis (a hashable stand-in for `:`)
-def _ix(index: tuple) -> tuple: return tuple(slice(None) if i == ALL else i for i in index)
-
-def hf_shape(config: ModelConfig, name: str) -> tuple:
-    "The shape Hugging Face gives tensor `name` for this config."
-    mod, p, index, transpose = hf_tensor_map(config)[name]
-    shape = param_shapes(config)[mod][p].shape
-    sub = tuple(s for i, s in enumerate(shape) if i >= len(index) or index[i] == ALL)
-    return sub[::-1] if transpose else sub
+def hf_shapes(config: ModelConfig) -> dict:
+    "`{hf_name: shape}`: the shape Hugging Face gives each tensor for this config."
+    shapes = param_shapes(config)
+    return {name: shapes[mod][p].shape[len(index):] for name, (mod, p, index) in hf_tensor_map(config).items()}
 
 # %% ../nbs/02_weights.ipynb #8861b838
 def checkpoint_files(path) -> list[Path]:
@@ -102,42 +88,45 @@ class _Safetensors:
     def read(self, name, rows=slice(None)) -> np.ndarray:
         with safe_open(self.fn, framework="numpy") as f: return f.get_slice(name)[rows]
 
-class _TorchBin:
-    "Tensors of a `pytorch_model.bin`, memory-mapped with `torch.load(weights_only=True)`."
-    def __init__(self, fn):
+class _LegacyTorch:
+    "Tensors of a `pytorch_model.bin` in torch's legacy (pre-zip) format, read whole by `torch.load(weights_only=True)`."
+    def __init__(self, fn, refusal: str):
         try: import torch
-        except ImportError:
-            raise ImportError(f"{fn} is a PyTorch pickle; reading it needs torch (pip install torch), "
-                              "or convert the checkpoint to safetensors") from None
-        try: self.sd = torch.load(fn, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e): raise ValueError(f"cannot read {fn}: {e}") from None
-            self.sd = torch.load(fn, map_location="cpu", weights_only=True)   # the legacy (non-zip) format: no mmap
-        except Exception as e: raise ValueError(f"cannot read {fn}: {e}") from None
-        self.fn = fn
-        self.shapes = {k: tuple(v.shape) for k, v in self.sd.items()}
+        except ImportError: raise ValueError(f"{refusal}; or install torch, which can read it") from None
+        try: self.sd = torch.load(fn, map_location="cpu", weights_only=True)
+        except Exception as e: raise ValueError(f"cannot read {fn} with torch.load(weights_only=True): {str(e)[:300]}") from None
+        if not isinstance(self.sd, dict) or not all(isinstance(v, torch.Tensor) for v in self.sd.values()):
+            raise ValueError(f"{fn} holds a {type(self.sd).__name__}, not a dict of tensors (a state dict)")
+        self.fn, self.shapes = fn, {k: tuple(v.shape) for k, v in self.sd.items()}
     def read(self, name, rows=slice(None)) -> np.ndarray:
         import torch, ml_dtypes
         t = self.sd[name][rows]
         if t.dtype == torch.bfloat16: return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
         return t.numpy()
 
+def _torch_file(fn):
+    "A reader of a `pytorch_model.bin`: `TorchFile` (no torch, no code), or `_LegacyTorch` for torch's legacy format."
+    try: return TorchFile(fn)
+    except ValueError as e:
+        if "legacy" not in str(e): raise
+        return _LegacyTorch(fn, str(e))
+
 def open_checkpoint(path) -> dict:
     "`{tensor name: reader}` over every file of the checkpoint in `path`."
     readers = {}
     for fn in checkpoint_files(path):
-        r = _Safetensors(fn) if fn.suffix == ".safetensors" else _TorchBin(fn)
+        r = _Safetensors(fn) if fn.suffix == ".safetensors" else _torch_file(fn)
         for k in r.shapes: readers[k] = r
     return readers
 
 # %% ../nbs/02_weights.ipynb #6c8a8ad7
 def check_checkpoint(config: ModelConfig, readers: dict, where="checkpoint"):
     "Raise `ValueError` listing every missing, unexpected or wrongly shaped tensor."
-    expected = hf_tensor_map(config)
+    expected = hf_shapes(config)
     problems = []
-    for name in expected:
+    for name, want in expected.items():
         if name not in readers: problems.append(f"missing tensor {name!r}")
-        elif readers[name].shapes[name] != (want := hf_shape(config, name)):
+        elif readers[name].shapes[name] != want:
             problems.append(f"tensor {name!r} has shape {readers[name].shapes[name]} in "
                             f"{Path(readers[name].fn).name}, but the config expects {want}")
     for name in readers:
@@ -148,62 +137,71 @@ def check_checkpoint(config: ModelConfig, readers: dict, where="checkpoint"):
                          f"n_vocab={config.n_vocab}, d_ff={config.d_ff}):\n  " + "\n  ".join(problems))
 
 # %% ../nbs/02_weights.ipynb #3e2d228a
-@partial(jax.jit, static_argnames=("transpose", "pattern"), donate_argnums=0)
-def _put(buf, piece, offsets, *, transpose: bool, pattern: tuple):
-    "Write `piece` (Hugging Face orientation) into device buffer `buf` at `offsets`; `pattern` marks integer-indexed axes."
-    piece = (piece.T if transpose else piece).astype(buf.dtype)
-    for ax, is_int in enumerate(pattern):
-        if is_int: piece = jnp.expand_dims(piece, ax)
-    return jax.lax.dynamic_update_slice(buf, piece, offsets)
+def _aligned(shape, dtype, align: int = 64) -> np.ndarray:
+    "An uninitialised numpy array whose data starts on an `align`-byte boundary (JAX's CPU client adopts it uncopied)."
+    n = math.prod(shape) * np.dtype(dtype).itemsize
+    raw = np.empty(n + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start:start + n].view(dtype).reshape(shape)
 
-def _device_buffers(shape_dtype, sharding) -> list:
-    "Zeroed buffers, one per addressable device of `sharding`, with the bounds `(start, stop)` of each along each axis."
-    shape, out = shape_dtype.shape, []
-    for dev, index in sharding.addressable_devices_indices_map(shape).items():
-        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-        zeros = partial(jnp.zeros, tuple(e - s for s, e in bounds), shape_dtype.dtype)
-        out.append([bounds, jax.jit(zeros, out_shardings=jax.sharding.SingleDeviceSharding(dev))()])
-    return out
+@partial(jax.jit, static_argnames="lead", donate_argnums=0)
+def _put(buf, piece, offsets, *, lead: int):
+    "Write `piece` into device buffer `buf` at `offsets`; its first `lead` axes are indexed (a layer, a q/k/v slot)."
+    return jax.lax.dynamic_update_slice(buf, piece.astype(buf.dtype).reshape((1,) * lead + piece.shape), offsets)
 
-def _place(buffers, chunk, row0, index, transpose):
-    "Write rows `row0:` of a Hugging Face tensor (`chunk`) into every device buffer they overlap."
-    pattern = tuple(i < len(index) and index[i] != ALL for i in range(len(buffers[0][0])))
-    sub_axes = [a for a, is_int in enumerate(pattern) if not is_int]
-    hf_axis = {a: (len(sub_axes) - 1 - j if transpose else j) for j, a in enumerate(sub_axes)}  # param axis -> HF axis
-    for buf in buffers:
-        bounds, offsets, cut = buf[0], [], [slice(None)] * chunk.ndim
-        for a, (s, e) in enumerate(bounds):
-            if pattern[a]:                                    # a layer / q-k-v slot index
-                if not s <= index[a] < e: break
-                offsets.append(index[a] - s)
-                continue
-            t = hf_axis[a]
-            first = row0 if t == 0 else 0                      # where this chunk starts along HF axis t
-            lo, hi = max(s, first), min(e, first + chunk.shape[t])
-            if lo >= hi: break
-            cut[t] = slice(lo - first, hi - first)
-            offsets.append(lo - s)
+class _Piece:
+    "One device's piece of a parameter (`bounds`: `(start, stop)` per axis), filled in host memory or on the device."
+    def __init__(self, device, bounds: tuple, dtype):
+        self.device, self.bounds, shape = device, bounds, tuple(e - s for s, e in bounds)
+        self.host = device.platform == "cpu"
+        self.buf = _aligned(shape, dtype) if self.host else \
+            jax.jit(partial(jnp.zeros, shape, dtype), out_shardings=jax.sharding.SingleDeviceSharding(device))()
+    def write(self, at: tuple, piece: np.ndarray, lead: int):
+        "Write `piece` at offsets `at` (the first `lead` index axes that `piece` does not have)."
+        if self.host:
+            cut = tuple(at[:lead]) + tuple(slice(o, o + n) for o, n in zip(at[lead:], piece.shape))
+            np.copyto(self.buf[cut], piece, casting="unsafe")
         else:
-            buf[1] = _put(buf[1], chunk[tuple(cut)], tuple(offsets), transpose=transpose, pattern=pattern)
-            buf[1].block_until_ready()   # else chunks queue up in host memory faster than they are written
+            self.buf = _put(self.buf, piece, at, lead=lead)
+            self.buf.block_until_ready()   # else pieces queue up in host memory faster than they are written
+    def array(self) -> jax.Array: return jax.device_put(self.buf, self.device) if self.host else self.buf
 
-def load_hf_params(path, config: ModelConfig, shardings=None, progress: bool = True, chunk_bytes: int = 8 << 20) -> dict:
+def _place(pieces: list, chunk: np.ndarray, row0: int, index: tuple):
+    "Write rows `row0:` of a Hugging Face tensor (`chunk`), which is `param[index]`, into every piece they overlap."
+    lead = len(index)
+    for piece in pieces:
+        if not all(s <= i < e for i, (s, e) in zip(index, piece.bounds)): continue
+        src, at = [], [i - s for i, (s, _) in zip(index, piece.bounds)]
+        for a, (s, e) in enumerate(piece.bounds[lead:]):
+            first = row0 if a == 0 else 0                      # where this chunk starts along the tensor's axis a
+            lo, hi = max(s, first), min(e, first + chunk.shape[a])
+            if lo >= hi: break
+            src.append(slice(lo - first, hi - first)); at.append(lo - s)
+        else: piece.write(tuple(at), chunk[tuple(src)], lead)
+
+def assemble(shapes: dict, shardings, tensors, progress: bool = True, chunk_bytes: int = 64 << 20) -> dict:
+    """Parameters of `shapes` (laid out by `shardings`; None: one device) from `tensors`, `(reader, name, module, param,
+    index)` in reading order: tensor `name` of `reader` is `params[module][param][index]`, read in chunks of rows."""
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    where = {mod: {p: (shardings[mod][p] if shardings else one) for p in ps} for mod, ps in shapes.items()}
+    pieces = {mod: {p: [_Piece(dev, tuple(s.indices(n)[:2] for s, n in zip(ix, sd.shape)), sd.dtype)
+                        for dev, ix in where[mod][p].addressable_devices_indices_map(sd.shape).items()]
+                    for p, sd in ps.items()} for mod, ps in shapes.items()}
+    for reader, name, mod, p, index in tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress):
+        shape = reader.shapes[name]
+        step = max(1, chunk_bytes // (math.prod(shape[1:]) * 4))
+        for r0 in range(0, max(shape[0], 1), step):
+            _place(pieces[mod][p], reader.read(name, slice(r0, min(r0 + step, shape[0]))), r0, index)
+    return {mod: {p: jax.make_array_from_single_device_arrays(sd.shape, where[mod][p], [x.array() for x in pieces[mod][p]])
+                  for p, sd in ps.items()} for mod, ps in shapes.items()}
+
+def load_hf_params(path, config: ModelConfig, shardings=None, progress: bool = True, chunk_bytes: int = 64 << 20) -> dict:
     "Stream the Hugging Face GPT-J checkpoint in directory `path` into parameters for `config` (laid out by `shardings`)."
     readers = open_checkpoint(path)
     check_checkpoint(config, readers, where=f"checkpoint {path}")
-    shapes = param_shapes(config)
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    where = {mod: {p: (shardings[mod][p] if shardings else one) for p in ps} for mod, ps in shapes.items()}
-    bufs = {mod: {p: _device_buffers(sd, where[mod][p]) for p, sd in ps.items()} for mod, ps in shapes.items()}
-    for name, (mod, p, index, transpose) in tqdm(hf_tensor_map(config).items(), desc="loading weights",
-                                                 unit="tensor", disable=not progress):
-        shape = readers[name].shapes[name]
-        step = max(1, chunk_bytes // (int(np.prod(shape[1:], dtype=np.int64)) * 4))
-        for r0 in range(0, shape[0], step):
-            chunk = readers[name].read(name, slice(r0, min(r0 + step, shape[0])))
-            _place(bufs[mod][p], chunk, r0, index, transpose)
-    return {mod: {p: jax.make_array_from_single_device_arrays(sd.shape, where[mod][p], [b for _, b in bufs[mod][p]])
-                  for p, sd in ps.items()} for mod, ps in shapes.items()}
+    files = list(dict.fromkeys(r.fn for r in readers.values()))
+    order = sorted(hf_tensor_map(config).items(), key=lambda kv: files.index(readers[kv[0]].fn))   # file by file
+    return assemble(param_shapes(config), shardings, [(readers[n], n, *where) for n, where in order], progress, chunk_bytes)
 
 # %% ../nbs/02_weights.ipynb #5928a764
 def _writing(fn, write, *args, **kwargs):
@@ -292,14 +290,17 @@ def replace_dir(path, fill, owned: str | None = None) -> Path:
     return given
 
 # %% ../nbs/02_weights.ipynb #92df4366
-def _to_numpy(x, dtype) -> np.ndarray:
-    return np.asarray(jax.device_get(x if dtype is None else x.astype(dtype)))
+def _host_tensor(x: jax.Array, index: tuple, dtype=None) -> np.ndarray:
+    "`x[index]` in host memory (cast to `dtype`). On one CPU device (or in numpy) it is read in place, without XLA or a copy."
+    if not isinstance(x, jax.Array) or x.is_fully_addressable and len(x.devices()) == 1 and next(iter(x.devices())).platform == "cpu":
+        t = np.asarray(x)[index]   # a view of the parameter's own memory
+    else: t = np.asarray(jax.device_get(x[index]))
+    return np.ascontiguousarray(t if dtype is None else t.astype(dtype))
 
 def hf_tensors(params: dict, config: ModelConfig, dtype=None):
     "Yield `(hf_name, numpy array)` for every Hugging Face tensor, one at a time, optionally cast to `dtype`."
-    for name, (mod, p, index, transpose) in hf_tensor_map(config).items():
-        t = _to_numpy(params[mod][p][_ix(index)], dtype)
-        yield name, np.ascontiguousarray(t.T if transpose else t)
+    for name, (mod, p, index) in hf_tensor_map(config).items():
+        yield name, _host_tensor(params[mod][p], index, dtype)
 
 def _parse_size(s) -> int:
     if isinstance(s, int): return s
@@ -319,8 +320,8 @@ def _write_hf(d: Path, params: dict, config: ModelConfig, dtype=None, max_shard_
     # transformers ≥ 4.56 calls the field `dtype` (and warns about `torch_dtype`); older versions read `torch_dtype`
     setattr(hf_config, "torch_dtype" if not isinstance(getattr(type(hf_config), "torch_dtype", None), property) else "dtype", dt)
     shards, size = [[]], 0   # the tensors of each shard, planned from the shapes so each file gets its final name
-    for name in hf_tensor_map(config):
-        n = int(np.prod(hf_shape(config, name))) * jnp.dtype(dt).itemsize
+    for name, shape in hf_shapes(config).items():
+        n = math.prod(shape) * jnp.dtype(dt).itemsize
         if shards[-1] and size + n > limit: shards.append([]); size = 0
         shards[-1].append(name); size += n
     names = (["model.safetensors"] if len(shards) == 1 else
@@ -346,11 +347,32 @@ MESHTX_PARAMS = "params.safetensors"
 
 def is_meshtx_checkpoint(path) -> bool: return (Path(path) / MESHTX_CONFIG).exists()
 
+LAYOUT = "out_in"   # weight matrices are [n_out, n_in]; q, k, v apart
+# today's matrices in earlier files: (their name, a function of the earlier array)
+OLD_LAYOUT = {"gptj/blocks/attn/q": ("gptj/blocks/attn/qkv", lambda a: a[:, :, 0].transpose(0, 2, 1)),
+              "gptj/blocks/attn/k": ("gptj/blocks/attn/qkv", lambda a: a[:, :, 1].transpose(0, 2, 1)),
+              "gptj/blocks/attn/v": ("gptj/blocks/attn/qkv", lambda a: a[:, :, 2].transpose(0, 2, 1)),
+              **{k: (k, lambda a: a.transpose(0, 2, 1)) for k in ("gptj/blocks/attn/out", "gptj/blocks/mlp/fc_in/w",
+                                                                 "gptj/blocks/mlp/fc_out/w")},
+              "gptj/lm_head/w": ("gptj/lm_head/w", lambda a: a.T)}
+
 def _write_params(d: Path, params: dict, config: ModelConfig):
     "Write `params` and `config` in meshtx's format into the new directory `d`."
-    flat = {f"{mod}/{p}": np.asarray(jax.device_get(v)) for mod, ps in params.items() for p, v in ps.items()}
-    _writing(d / MESHTX_PARAMS, save_file, flat, d / MESHTX_PARAMS, metadata={"format": "meshtx"})
+    flat = {f"{mod}/{p}": _host_tensor(v, ()) for mod, ps in params.items() for p, v in ps.items()}
+    _writing(d / MESHTX_PARAMS, save_file, flat, d / MESHTX_PARAMS, metadata={"format": "meshtx", "layout": LAYOUT})
     _writing(d / MESHTX_CONFIG, config.save, d / MESHTX_CONFIG)
+
+class _OldLayout:
+    "A reader of an earlier meshtx file that gives today's tensors (`OLD_LAYOUT`): those are read whole, then rearranged."
+    def __init__(self, reader):
+        self.reader, self.fn, old = reader, reader.fn, {n for n, _ in OLD_LAYOUT.values()}
+        self.shapes = {k: s for k, s in reader.shapes.items() if k not in old}
+        for new, (name, how) in OLD_LAYOUT.items():
+            if name in reader.shapes: self.shapes[new] = how(np.empty(reader.shapes[name], np.uint8)).shape
+    def read(self, name, rows=slice(None)) -> np.ndarray:
+        if name not in OLD_LAYOUT: return self.reader.read(name, rows)
+        old, how = OLD_LAYOUT[name]
+        return np.ascontiguousarray(how(self.reader.read(old))[rows])
 
 def save_params(path, params: dict, config: ModelConfig) -> Path:
     "Write `params` and `config` in meshtx's format as directory `path` (atomically: `replace_dir`)."
@@ -361,18 +383,19 @@ def load_params(path, shardings=None) -> tuple[ModelConfig, dict]:
     path = Path(path)
     if not is_meshtx_checkpoint(path): raise ValueError(f"{path} has no {MESHTX_CONFIG}: not a meshtx checkpoint")
     config = ModelConfig.load(path / MESHTX_CONFIG)
-    shapes, problems, params = param_shapes(config), [], {}
-    with _safe_open(path / MESHTX_PARAMS) as f:
-        keys = set(f.keys())
-        for mod, ps in shapes.items():
-            for p, sd in ps.items():
-                k = f"{mod}/{p}"
-                if k not in keys: problems.append(f"missing tensor {k!r}"); continue
-                got = tuple(f.get_slice(k).get_shape())
-                if got != sd.shape: problems.append(f"tensor {k!r} has shape {got}, but the config expects {sd.shape}")
-        problems += [f"unexpected tensor {k!r}" for k in sorted(keys - {f"{m}/{p}" for m, ps in shapes.items() for p in ps})]
-        if problems: raise ValueError(f"{path / MESHTX_PARAMS} does not match {MESHTX_CONFIG}:\n  " + "\n  ".join(problems))
-        for mod, ps in shapes.items():
-            params[mod] = {p: jax.device_put(f.get_tensor(f"{mod}/{p}").astype(sd.dtype),
-                                             shardings and shardings[mod][p]) for p, sd in ps.items()}
-    return config, params
+    shapes, problems = param_shapes(config), []
+    reader = _Safetensors(path / MESHTX_PARAMS)
+    with _safe_open(path / MESHTX_PARAMS) as f: layout = (f.metadata() or {}).get("layout")
+    if layout is None: reader = _OldLayout(reader)   # written before matrices were [out, in]
+    elif layout != LAYOUT: raise ValueError(f"{path / MESHTX_PARAMS} has layout {layout[:50]!r}, which this meshtx does not know: upgrade meshtx")
+    for mod, ps in shapes.items():
+        for p, sd in ps.items():
+            k = f"{mod}/{p}"
+            if k not in reader.shapes: problems.append(f"missing tensor {k!r}")
+            elif (got := reader.shapes[k]) != sd.shape:
+                problems.append(f"tensor {k!r} has shape {got}, but the config expects {sd.shape}")
+    problems += [f"unexpected tensor {k[:100]!r}" for k in sorted(set(reader.shapes) - {f"{m}/{p}" for m, ps in shapes.items() for p in ps})]
+    if problems: raise ValueError(f"{path / MESHTX_PARAMS} does not match {MESHTX_CONFIG}:\n  " + "\n  ".join(problems[:20])
+                                  + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""))
+    tensors = [(reader, f"{mod}/{p}", mod, p, ()) for mod, ps in shapes.items() for p in ps]
+    return config, assemble(shapes, shardings, tensors, progress=False)

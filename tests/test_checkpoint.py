@@ -62,7 +62,7 @@ def test_round_trip_mixed_tree_bitwise(tmp_path):
     plain, _ = ck.restore(10)
     assert plain["scalars"]["0"] == 7 and type(plain["scalars"]["0"]) is int and type(plain["scalars"]["2"]) is bool
     assert plain["bf16"].dtype == jnp.bfloat16 and isinstance(plain["bf16"], np.ndarray)
-    np.testing.assert_array_equal(plain["params"]["gptj/blocks/attn"]["qkv"], np.asarray(tree["params"]["gptj/blocks/attn"]["qkv"]))
+    np.testing.assert_array_equal(plain["params"]["gptj/blocks/attn"]["q"], np.asarray(tree["params"]["gptj/blocks/attn"]["q"]))
     np.testing.assert_array_equal(plain["opt_state"]["0"]["mu"]["gptj/wte"]["embedding"], 0)
     # the data files are ordinary safetensors files
     from safetensors import safe_open
@@ -83,7 +83,7 @@ def test_restore_onto_other_meshes_and_one_device(tmp_path):
     # each tensor is written once: replicas over dp skipped, mp shards each once
     chunks = json.loads((Path(path) / "process_00000.json").read_text())["chunks"]
     count = lambda name: sum(c["tensor"] == name for c in chunks)
-    assert count("params/gptj/blocks/attn/qkv") == 4 and count("params/gptj/blocks/ln_1/scale") == 1
+    assert count("params/gptj/blocks/attn/q") == 4 and count("params/gptj/blocks/ln_1/scale") == 1
     expected = jax.tree.map(np.asarray, params)
     for target in (abstract(CFG, make_mesh(8, 1, 1, config=CFG)), abstract(CFG, make_mesh(1, 2, 4, config=CFG)),
                    abstract(CFG, SingleDeviceSharding(jax.devices()[0]))):
@@ -94,7 +94,7 @@ def test_restore_onto_other_meshes_and_one_device(tmp_path):
     # arrays as the target: their shardings are used
     like = jax.device_put(jax.tree.map(jnp.zeros_like, params), param_shardings(CFG, make_mesh(4, 1, 2, config=CFG)))
     back, _ = ck.restore(1, target={"params": like})
-    assert back["params"]["gptj/blocks/attn"]["qkv"].sharding == like["gptj/blocks/attn"]["qkv"].sharding
+    assert back["params"]["gptj/blocks/attn"]["q"].sharding == like["gptj/blocks/attn"]["q"].sharding
     assert_trees_equal(jax.tree.map(np.asarray, back["params"]), expected)
 
 
@@ -337,20 +337,20 @@ def original_shards(params, S, rng, dtype):
     put("embedding_shard/~/linear", "w", np.split(p["gptj/wte"]["embedding"], S, 0))
     put("embedding_shard/~/linear", "b", emb_b)
     for i in range(L):
-        qkv = p["gptj/blocks/attn"]["qkv"][i]
-        put(f"layer_{i}/~/linear", "w", np.split(qkv[:, 0], S, 1))      # q
-        put(f"layer_{i}/~/linear_1", "w", np.split(qkv[:, 2], S, 1))    # v (created before k in the original)
-        put(f"layer_{i}/~/linear_2", "w", np.split(qkv[:, 1], S, 1))    # k
-        put(f"layer_{i}/~/linear_3", "w", np.split(p["gptj/blocks/attn"]["out"][i], S, 0))
-        put(f"layer_{i}/~/linear_4", "w", np.split(p["gptj/blocks/mlp/fc_in"]["w"][i], S, 1))
+        a = p["gptj/blocks/attn"]   # the original's haiku Linear weights are [in, out]: meshtx's transposed
+        put(f"layer_{i}/~/linear", "w", np.split(a["q"][i].T, S, 1))      # q
+        put(f"layer_{i}/~/linear_1", "w", np.split(a["v"][i].T, S, 1))    # v (created before k in the original)
+        put(f"layer_{i}/~/linear_2", "w", np.split(a["k"][i].T, S, 1))    # k
+        put(f"layer_{i}/~/linear_3", "w", np.split(a["out"][i].T, S, 0))
+        put(f"layer_{i}/~/linear_4", "w", np.split(p["gptj/blocks/mlp/fc_in"]["w"][i].T, S, 1))
         put(f"layer_{i}/~/linear_4", "b", np.split(p["gptj/blocks/mlp/fc_in"]["b"][i], S, 0))
-        put(f"layer_{i}/~/linear_5", "w", np.split(p["gptj/blocks/mlp/fc_out"]["w"][i], S, 0))
+        put(f"layer_{i}/~/linear_5", "w", np.split(p["gptj/blocks/mlp/fc_out"]["w"][i].T, S, 0))
         put(f"layer_{i}/~/linear_5", "b", out_b[i])
         put(f"layer_{i}/~/replicated_layer_norm", "scale", garbage(p["gptj/blocks/ln_1"]["scale"][i]))
         put(f"layer_{i}/~/replicated_layer_norm", "offset", garbage(p["gptj/blocks/ln_1"]["offset"][i]))
     put("projection_shard/~/replicated_layer_norm", "scale", garbage(p["gptj/ln_f"]["scale"]))
     put("projection_shard/~/replicated_layer_norm", "offset", garbage(p["gptj/ln_f"]["offset"]))
-    put("projection_shard/~/linear", "w", np.split(p["gptj/lm_head"]["w"], S, 1))
+    put("projection_shard/~/linear", "w", np.split(p["gptj/lm_head"]["w"].T, S, 1))
     put("projection_shard/~/linear", "b", np.split(p["gptj/lm_head"]["b"], S, 0))
     total = lambda bs: sum((b.astype(np.float32) for b in bs[1:]), bs[0].astype(np.float32))
     expected = jax.tree.map(lambda a: a, p)
@@ -390,7 +390,7 @@ def test_load_original_checkpoint(tmp_path, full, dtype):
     assert_trees_equal(jax.tree.map(np.asarray, loaded), expected)
     mesh = make_mesh(2, 1, 4, config=CFG)
     on_mesh = load_mtj_checkpoint(str(tmp_path / "step_1234"), CFG, shardings=param_shardings(CFG, mesh))
-    assert on_mesh["gptj/blocks/attn"]["qkv"].sharding == param_shardings(CFG, mesh)["gptj/blocks/attn"]["qkv"]
+    assert on_mesh["gptj/blocks/attn"]["q"].sharding == param_shardings(CFG, mesh)["gptj/blocks/attn"]["q"]
     assert_trees_equal(jax.tree.map(np.asarray, on_mesh), expected)
     bf16 = load_mtj_checkpoint(tmp_path / "step_1234", CFG.replace(param_dtype="bfloat16"))
     assert bf16["gptj/wte"]["embedding"].dtype == jnp.bfloat16

@@ -64,7 +64,7 @@ def test_mesh_matches_single_device(shape, reference):
     # the new parameters and Adam's moments stayed in their layouts
     jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim) or pytest.fail(f"{x.sharding} != {s}"), new, p_sh)
     mu = opt_state[0].mu
-    assert mu["gptj/blocks/attn"]["qkv"].sharding.is_equivalent_to(p_sh["gptj/blocks/attn"]["qkv"], 4)
+    assert mu["gptj/blocks/attn"]["q"].sharding.is_equivalent_to(p_sh["gptj/blocks/attn"]["q"], 3)
 
 
 def mesh_of(shape):
@@ -75,15 +75,15 @@ def expected_shard_shapes(dp, fsdp, mp):
     L, D, H, F, V = CFG.n_layer, CFG.d_model, CFG.n_head * CFG.d_head, CFG.d_ff, CFG.n_vocab
     return {
         "gptj/wte/embedding": (V // mp, D // fsdp),
-        "gptj/blocks/attn/qkv": (L, D // fsdp, 3, H // mp),
-        "gptj/blocks/attn/out": (L, H // mp, D // fsdp),
-        "gptj/blocks/mlp/fc_in/w": (L, D // fsdp, F // mp),
+        **{f"gptj/blocks/attn/{t}": (L, H // mp, D // fsdp) for t in "qkv"},
+        "gptj/blocks/attn/out": (L, D // fsdp, H // mp),
+        "gptj/blocks/mlp/fc_in/w": (L, F // mp, D // fsdp),
         "gptj/blocks/mlp/fc_in/b": (L, F // mp),
-        "gptj/blocks/mlp/fc_out/w": (L, F // mp, D // fsdp),
+        "gptj/blocks/mlp/fc_out/w": (L, D // fsdp, F // mp),
         "gptj/blocks/mlp/fc_out/b": (L, D),
         "gptj/blocks/ln_1/scale": (L, D), "gptj/blocks/ln_1/offset": (L, D),
         "gptj/ln_f/scale": (D,), "gptj/ln_f/offset": (D,),
-        "gptj/lm_head/w": (D // fsdp, V // mp),
+        "gptj/lm_head/w": (V // mp, D // fsdp),
         "gptj/lm_head/b": (V // mp,),
     }
 
@@ -100,8 +100,8 @@ def test_each_device_holds_exactly_its_share(shape):
         assert shapes == {want[name]}, (name, shapes, want[name])
         assert len(x.addressable_shards) == math.prod(shape)
     dp, fsdp, mp = shape
-    qkv = got["gptj/blocks/attn/qkv"]
-    assert qkv.addressable_shards[0].data.size * fsdp * mp == qkv.size   # TP+FSDP weights: 1/(fsdp·mp)
+    q = got["gptj/blocks/attn/q"]
+    assert q.addressable_shards[0].data.size * fsdp * mp == q.size   # TP+FSDP weights: 1/(fsdp·mp)
 
 
 def test_impossible_meshes_say_what_works():
@@ -123,10 +123,10 @@ def test_lm_on_mesh_and_reshard(hf_checkpoint):
     path, model = hf_checkpoint(CFG)
     tokens = np.random.default_rng(1).integers(0, CFG.n_vocab, (4, 9))
     lm = LM.from_hf(path, dtype="float32", mesh=make_mesh(mp=8), progress=False)
-    assert {s.data.shape for s in lm.params["gptj/blocks/mlp/fc_in"]["w"].addressable_shards} == {(2, 64, 32)}
+    assert {s.data.shape for s in lm.params["gptj/blocks/mlp/fc_in"]["w"].addressable_shards} == {(2, 32, 64)}   # [L, F/mp, D]
     np.testing.assert_allclose(np.asarray(lm.logits(tokens)), hf_logits(model, tokens), atol=1e-4, rtol=0)
     lm.shard(make_mesh(dp=2, fsdp=2, mp=2))
-    assert {s.data.shape for s in lm.params["gptj/blocks/mlp/fc_in"]["w"].addressable_shards} == {(2, 32, 128)}
+    assert {s.data.shape for s in lm.params["gptj/blocks/mlp/fc_in"]["w"].addressable_shards} == {(2, 128, 32)}   # [L, F/mp, D/fsdp]
     np.testing.assert_allclose(np.asarray(lm.logits(tokens)), hf_logits(model, tokens), atol=1e-4, rtol=0)
 
 
@@ -166,7 +166,7 @@ def test_loading_on_a_mesh_never_replicates(tmp_path):
     r = subprocess.run([sys.executable, "-c", LOAD_ON_MESH, str(ckpt)], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads(r.stdout.strip().splitlines()[-1])
-    assert m["shards"]["gptj/blocks/attn/qkv"] == [[4, 1024, 3, 128]]
+    assert m["shards"]["gptj/blocks/attn/q"] == [[4, 128, 1024]]
     assert m["shards"]["gptj/wte/embedding"] == [[6300, 1024]]
     ratio = m["growth"] / m["fp32"]
     print(f"checkpoint {size / 1e6:.0f} MB fp32; peak RSS growth while loading onto 8 devices: {ratio:.2f}x")

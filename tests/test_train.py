@@ -34,7 +34,7 @@ def test_weight_decay_spares_biases_and_layernorms():
     for module, ps in upd.items():
         for name, u in ps.items():
             decayed = bool(jnp.any(u != 0))
-            is_matrix = name in ("w", "qkv", "out", "embedding")
+            is_matrix = name in ("w", "q", "k", "v", "out", "embedding")
             assert decayed == is_matrix, (module, name)
 
 

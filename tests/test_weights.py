@@ -56,7 +56,7 @@ def test_bf16_bin_and_safetensors(hf_checkpoint, tmp_path):
     _bin_checkpoint(tmp_path / "bin", model)
     a = LM.from_hf(tmp_path / "st", dtype="bfloat16", progress=False)
     b = LM.from_hf(tmp_path / "bin", dtype="bfloat16", progress=False)
-    ref = model.state_dict()["transformer.h.1.mlp.fc_in.weight"].float().numpy().T
+    ref = model.state_dict()["transformer.h.1.mlp.fc_in.weight"].float().numpy()   # [out, in], as meshtx stores it
     for lm in (a, b):
         np.testing.assert_array_equal(np.asarray(lm.params["gptj/blocks/mlp/fc_in"]["w"][1], np.float32), ref)
 
