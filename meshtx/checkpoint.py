@@ -270,6 +270,11 @@ class Checkpointer:
     def _metadata(self, step: int) -> dict:
         return _read_json(self.fs, f"{self._dir(step)}/{METADATA}", f"checkpoint step {step} in {self.directory}")
 
+    def tensors(self, step: int | None = None) -> dict:
+        "`{name: {'keys', 'shape', 'dtype', ...}}` of checkpoint `step`'s tensors (default: the latest), from its manifest."
+        step = self._resolve(step)
+        return _Reader(self.fs, self._dir(step), f"checkpoint step {step} in {self.directory}").tensors
+
 # %% ../nbs/07_checkpoint.ipynb #bd07e5f0
 @patch
 def _clean(self: Checkpointer):

@@ -13,14 +13,14 @@ import jax, jax.numpy as jnp
 from fastcore.basics import patch
 from .config import ModelConfig, LoRAConfig
 from .model import gptj, init_params, no_hint, param_shapes, split_layers, BLOCKS
-from .weights import (load_hf_params, load_params, is_meshtx_checkpoint, checkpoint_files, MESHTX_CONFIG,
+from .weights import (load_hf_params, load_params, is_meshtx_checkpoint, checkpoint_files, MESHTX_CONFIG, from_old_layout,
                             replace_dir, recover_dir, SAVE_FILES, _write_hf, _write_params, _writing)
 from .data import is_remote, fetch_dir, save_remote
 from .tokenizer import gpt2_tokenizer, load_tokenizer, has_tokenizer, EOT, TOKENIZER_FILES
 from .sharding import param_shardings, shard_params, activation_hint, batch_sharding
 
 # %% auto #0
-__all__ = ['resolve_checkpoint', 'enable_compilation_cache', 'LM', 'layer_views']
+__all__ = ['OLD_QKV', 'resolve_checkpoint', 'enable_compilation_cache', 'LM', 'layer_views']
 
 # %% ../nbs/04_lm.ipynb #de8ab472
 _COMMON = ["*.json", "*.txt", "*.model"]
@@ -127,6 +127,21 @@ def load(cls: LM, path, dtype=None, compute_dtype=None, mesh=None, progress=True
         return lm.shard(mesh) if mesh is not None else lm
     return cls.from_hf(path, dtype=dtype or "bfloat16", compute_dtype=compute_dtype, mesh=mesh, progress=progress)
 
+OLD_QKV = "gptj/blocks/attn/qkv"   # in a checkpoint of an earlier meshtx, whose matrices were [in, out]
+
+@patch(cls_method=True)
+def _from_old_training(cls: LM, ck, step, config, dtype=None, compute_dtype=None, mesh=None) -> LM:
+    "The model of a `Trainer` checkpoint written before weight matrices were `[out, in]`: read, then rearranged."
+    old = {i["keys"][1]: {} for n, i in ck.tensors(step).items() if n.startswith("params/")}
+    for n, i in ck.tensors(step).items():
+        if n.startswith("params/"): old[i["keys"][1]][i["keys"][2]] = jax.ShapeDtypeStruct(tuple(i["shape"]), i["dtype"])
+    flat = {f"{m}/{p}": x for m, ps in ck.restore(step, {"params": old})[0]["params"].items() for p, x in ps.items()}
+    new = from_old_layout(flat)
+    params = {m: {p: jax.device_put(new[f"{m}/{p}"]) for p in ps} for m, ps in param_shapes(config).items()}
+    lm = cls(_with_dtype(config, dtype, compute_dtype), params, _default_tokenizer(config))
+    if dtype is not None: lm.params = jax.tree.map(lambda x: x.astype(lm.config.param_dtype), lm.params)
+    return lm.shard(mesh) if mesh is not None else lm
+
 def _training_checkpoint(path):
     "`(Checkpointer, step)` if `path` is a `Trainer`'s checkpoint: a `step_N` folder, or a folder of them (the latest)."
     from meshtx.checkpoint import Checkpointer, MARKER
@@ -148,6 +163,7 @@ def _from_training(cls: LM, ck, step, dtype=None, compute_dtype=None, mesh=None)
                          "model. Load the base model and restore it with `Trainer(lm, data, lora=...).restore(...)` (then "
                          "`lm.merge_lora()`), or load the `model` folder that `meshtx finetune` writes")
     config = ModelConfig.from_dict(meta["config"])
+    if f"params/{OLD_QKV}" in ck.tensors(step): return cls._from_old_training(ck, step, config, dtype, compute_dtype, mesh)
     target = param_shapes(config)   # born in their layout on `mesh`
     if mesh is not None: target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), target,
                                                param_shardings(config, mesh))

@@ -329,7 +329,10 @@ def restore(self: Trainer, directory=None, step: int | None = None, weights_only
         raise ValueError(f"checkpoint step {step} was saved {'with' if meta.get('lora') else 'without'} LoRA adapters, "
                          f"but this trainer trains {'adapters' if self.lm.lora else 'the full model'}")
     abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
-    if weights_only:
+    if "params/gptj/blocks/attn/qkv" in ck.tensors(step):   # (LoRA adapters kept their layout: those restore)
+        raise ValueError(f"checkpoint step {step} in {ck.directory} was written by an earlier meshtx, whose weight matrices "
+                         "were [in, out]; a run cannot continue across that change. `LM.load` reads its weights (a full "
+                         "fine-tune's) into today's layout: start a new run from them")
         tree, _ = ck.restore(step, {"params": abstract(self.state.params)})
         params = tree["params"]
         opt_state = jax.jit(self.optimizer.init, out_shardings=jax.tree.map(lambda x: x.sharding, self.state.opt_state))(params)

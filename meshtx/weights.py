@@ -21,7 +21,8 @@ from .torchfile import TorchFile
 # %% auto #0
 __all__ = ['IGNORED', 'SAVE_FILES', 'MESHTX_CONFIG', 'MESHTX_PARAMS', 'LAYOUT', 'OLD_LAYOUT', 'hf_tensor_map', 'hf_shapes',
            'checkpoint_files', 'open_checkpoint', 'check_checkpoint', 'assemble', 'load_hf_params', 'recover_dir',
-           'replace_dir', 'hf_tensors', 'save_hf_params', 'is_meshtx_checkpoint', 'save_params', 'load_params']
+           'replace_dir', 'hf_tensors', 'save_hf_params', 'is_meshtx_checkpoint', 'from_old_layout', 'save_params',
+           'load_params']
 
 # %% ../nbs/02_weights.ipynb #875c3bd5
 _BLOCK = [  # (HF name inside transformer.h.{i}., meshtx module, param)
@@ -361,6 +362,11 @@ def _write_params(d: Path, params: dict, config: ModelConfig):
     flat = {f"{mod}/{p}": _host_tensor(v, ()) for mod, ps in params.items() for p, v in ps.items()}
     _writing(d / MESHTX_PARAMS, save_file, flat, d / MESHTX_PARAMS, metadata={"format": "meshtx", "layout": LAYOUT})
     _writing(d / MESHTX_CONFIG, config.save, d / MESHTX_CONFIG)
+
+def from_old_layout(flat: dict) -> dict:
+    "`{'module/param': array}` of an earlier meshtx (matrices `[in, out]`, a fused `qkv`) as today's parameters."
+    done = {new: np.ascontiguousarray(how(np.asarray(flat[old]))) for new, (old, how) in OLD_LAYOUT.items() if old in flat}
+    return {k: v for k, v in flat.items() if k not in {old for old, _ in OLD_LAYOUT.values()}} | done
 
 class _OldLayout:
     "A reader of an earlier meshtx file that gives today's tensors (`OLD_LAYOUT`): those are read whole, then rearranged."

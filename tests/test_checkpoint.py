@@ -426,3 +426,22 @@ def test_convert_original_checkpoint_to_hf(tmp_path):
     assert main(["convert", tmp_path / "step_7", tmp_path / "hf", "--mtj-config", tmp_path / "run.json", "-q"]) == 0
     back = LM.from_hf(tmp_path / "hf", dtype="float32", tokenizer=None, progress=False)
     assert_trees_equal(jax.tree.map(np.asarray, back.params), expected)
+
+
+def test_training_checkpoint_of_the_earlier_layout(tmp_path):
+    "A full fine-tune's checkpoint from before weight matrices were [out, in] (a fused qkv): LM.load converts its "
+    "weights; a Trainer refuses to continue it, and says what to do."
+    import itertools
+    from meshtx import LM, Trainer
+    lm = LM.init("tiny")
+    old = {f"{m}/{p}": np.asarray(v) for m, ps in lm.params.items() for p, v in ps.items()}
+    old["gptj/blocks/attn/qkv"] = np.stack([old.pop(f"gptj/blocks/attn/{t}").transpose(0, 2, 1) for t in "qkv"], axis=2)
+    for k in ("gptj/blocks/attn/out", "gptj/blocks/mlp/fc_in/w", "gptj/blocks/mlp/fc_out/w"): old[k] = old[k].transpose(0, 2, 1)
+    old["gptj/lm_head/w"] = old["gptj/lm_head/w"].T
+    tree = {}
+    for k, v in old.items(): tree.setdefault(k.rsplit("/", 1)[0], {})[k.rsplit("/", 1)[1]] = jnp.asarray(np.ascontiguousarray(v))
+    Checkpointer(tmp_path / "run").save(5, {"params": tree, "step": jnp.asarray(5)}, metadata={"config": lm.config.to_dict(), "lora": None})
+    back = LM.load(tmp_path / "run")
+    assert_trees_equal(jax.tree.map(np.asarray, back.params), jax.tree.map(np.asarray, lm.params))
+    t = Trainer(LM.init("tiny"), itertools.repeat(np.zeros((1, 2, 9), np.int32)), progress=False)
+    with pytest.raises(ValueError, match="earlier meshtx.*LM.load"): t.restore(tmp_path / "run", 5)
