@@ -23,7 +23,8 @@ How things are measured:
 - Every child reports its own peak RSS (`VmHWM` of /proc/self/status: this process image's high-water mark), its
   RSS after its imports ("baseline") and its timings as one JSON line; the parent also reaps each child with
   `os.wait4` (its `ru_maxrss`) and polls psutil (the child and its descendants) as cross-checks, and kills a child
-  that runs past `--timeout` or above `--max-rss` (reported as such, with the peak it reached). RSS counts the pages of
+  that runs past `--timeout` or whose own (anonymous) memory goes above `--max-rss` (reported as such, with the peak it
+  reached; mapped file pages do not count there, since the kernel can drop them). RSS counts the pages of
   memory-mapped files a process has touched (a safetensors checkpoint read through mmap) as well as its own memory;
   the process table's "psutil anon" column is the polled peak of RSS less those file-backed pages.
 - "weights" is the model's parameter count × 2 bytes (bf16 / fp16). GB are 10⁹ bytes.
@@ -516,7 +517,8 @@ def child_plan(a, s):
         # infer: the forward of a 1 × S prompt into an S-slot cache (donated), full logits
         model = gptj(cfg)
         cache = jax.eval_shape(lambda: KVCache.init(cfg, 1, S))
-        params, layers = split_layers(param_shapes(cfg)) if layered else (param_shapes(cfg), None)
+        layer_of = lambda x, i: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+        params, layers = split_layers(param_shapes(cfg), layer_of) if layered else (param_shapes(cfg), None)
         fwd = jax.jit(lambda p, l, t, c: model.apply(p, t, None, c, layers=l), donate_argnums=3)
         xla = _memory_analysis(fwd.lower(params, layers, jax.ShapeDtypeStruct((1, S), jnp.int32), cache).compile())
         pl = meshtx.plan(cfg, mode="infer", batch=1, seq=S, param_dtype=dtype, compute_dtype=dtype)
@@ -529,7 +531,7 @@ def child_plan(a, s):
             opt = make_optimizer()
             state = TrainState(trainable, jax.eval_shape(opt.init, trainable), jax.ShapeDtypeStruct((), jnp.int32))
             step = make_train_step(rc, opt, None, lcfg)
-            xla = _memory_analysis(step.lower(state, jax.ShapeDtypeStruct((1, 1, S + 1), jnp.int32), split_layers(frozen)).compile())
+            xla = _memory_analysis(step.lower(state, jax.ShapeDtypeStruct((1, 1, S + 1), jnp.int32), split_layers(frozen, layer_of)).compile())
         else: xla = step_memory(rc, 1, S, lora=8)
         pl = meshtx.plan(rc, mode="lora", batch=1, seq=S, param_dtype=dtype, compute_dtype=dtype, lora_rank=8, remat=True)
         res[f"lora/{dtype}"] = {"plan": pl.total, "xla": xla["total"], "xla_detail": xla}
@@ -609,7 +611,7 @@ class Runner:
                     now, now_anon = sum(m.rss for m in mem), sum(m.rss - m.shared for m in mem)
                 except psutil.Error: now = now_anon = 0
                 polled, anon = max(polled, now), max(anon, now_anon)
-                if killed is None and cap and now > cap: killed = "memory"
+                if killed is None and cap and now_anon > cap: killed = "memory"   # mapped file pages can be dropped
                 if killed is None and time.perf_counter() - t0 > timeout: killed = "time"
                 if killed:
                     try: os.killpg(p.pid, signal.SIGKILL)
@@ -630,7 +632,7 @@ class Runner:
              "wait4_peak": ru.ru_maxrss * 1024, "killed": killed, "log": str(log), **res}
         r["peak"] = res.get("peak") or max(polled, r["wait4_peak"])
         if code != 0 and not res.get("error"):
-            why = {"memory": f"killed: RSS above --max-rss {self.args.max_rss} GB", "time": f"killed: ran past --timeout {timeout} s"}
+            why = {"memory": f"killed: anonymous RSS above --max-rss {self.args.max_rss} GB", "time": f"killed: ran past --timeout {timeout} s"}
             r["error"] = why.get(killed) or (f"killed by signal {-code}" + (" (SIGKILL: out of memory?)" if code == -9 else "")
                                              if code < 0 else f"exit {code}: " + _tail(log))
         self.procs.append(r)
@@ -869,7 +871,8 @@ def parse(argv):
     p.add_argument("--no-hf", action="store_true", help="meshtx only (no HF processes; no parity checks)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per child process (default 3600)")
     p.add_argument("--max-rss", type=float, default=None,
-                   help="kill a child whose RSS (with its children) exceeds this many GB (default 90 %% of RAM)")
+                   help="kill a child whose anonymous RSS (its own memory, not mapped file pages; with its children) "
+                        "exceeds this many GB (default 90 %% of RAM)")
     p.add_argument("--train-budget", type=float, default=None,
                    help="GB the full fine-tune may plan for (default: --max-rss minus 10 %%)")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions (the fastest counts; default 3)")

@@ -16,10 +16,10 @@ import optax
 from .config import ModelConfig, LoRAConfig
 
 # %% auto #0
-__all__ = ['REMAT_POLICY', 'BLOCKS', 'LOSS_ROWS', 'rotary_angles', 'apply_rotary', 'attend', 'self_attention', 'KVCache',
-           'attend_cached', 'cache_read', 'low_rank', 'lora_update', 'dense', 'linear', 'layer_norm', 'gelu_new',
-           'no_hint', 'block', 'add_bias', 'split_layers', 'run_layers', 'GPTJ', 'gptj', 'init_params', 'param_shapes',
-           'cross_entropy', 'fused_cross_entropy']
+__all__ = ['REMAT_POLICY', 'BLOCKS', 'LOSS_ROWS', 'rotary_angles', 'apply_rotary', 'attend', 'self_attention', 'cache_dtype',
+           'KVCache', 'attend_cached', 'cache_read', 'low_rank', 'lora_update', 'dense', 'linear', 'layer_norm',
+           'gelu_new', 'no_hint', 'block', 'add_bias', 'split_layers', 'remat_in_turn', 'run_layers', 'GPTJ', 'gptj',
+           'init_params', 'param_shapes', 'cross_entropy', 'fused_cross_entropy']
 
 # %% ../nbs/01_model.ipynb #3d5d82b2
 def rotary_angles(positions: jax.Array, rotary_dim: int, base: float = 10000.0):
@@ -88,6 +88,11 @@ def _causal_blocks(T: int) -> int:
     return next((n for n in (4, 2) if T % n == 0 and T // n >= 128), 1)
 
 # %% ../nbs/01_model.ipynb #fdbeb919
+def cache_dtype(config: ModelConfig, backend: str | None = None) -> str:
+    """The KV cache's default dtype: the compute dtype, except float32 on the CPU (JAX's backend by default), whose XLA
+    widens a bf16 cache to float32 for every write: 1.4 GB of copies to prefill 16 prompts into GPT-J-6B's cache."""
+    return "float32" if (backend or jax.default_backend()) == "cpu" else config.compute_dtype
+
 def _chunk_size(max_len: int, most: int = 256) -> int:
     "The largest power of two ≤ `most` dividing `max_len`: the cache's chunk length."
     return math.gcd(max_len, most)
@@ -102,8 +107,8 @@ class KVCache(NamedTuple):
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-        "An empty cache of `max_len` slots; `dtype` defaults to the compute dtype (bf16 when computing in bf16)."
-        dtype, C = jnp.dtype(dtype or config.compute_dtype), _chunk_size(max_len)
+        "An empty cache of `max_len` slots, in `dtype` (default: `cache_dtype(config)`)."
+        dtype, C = jnp.dtype(dtype or cache_dtype(config)), _chunk_size(max_len)
         shape = (config.n_layer, max_len // C, batch, config.n_head, C, config.d_head)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, max_len), bool),
                    jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32))
@@ -209,9 +214,17 @@ def lora_update(x, target: str, n_out: int, cfg: ModelConfig, lora: LoRAConfig |
     b = hk.get_parameter(f"lora_{target}_b", (lora.rank, n_out), jnp.float32, init=jnp.zeros).astype(cfg.compute_dtype)
     return low_rank(x, a, b * jnp.asarray(lora.scale, cfg.compute_dtype))
 
+@jax.custom_vjp
 def dense(x, w):
     "`x @ wᵀ` for a weight `w` `[n_out, n_in]` (`torch.nn.Linear`'s layout), accumulated in float32, in `x`'s dtype."
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+def _dense_bwd(res, g):   # both products from the inputs' own dtype (bf16), accumulated in float32
+    x, w = res
+    return (jnp.einsum("...o,oi->...i", g, w, preferred_element_type=jnp.float32).astype(x.dtype),
+            jnp.einsum("...o,...i->oi", g, x, preferred_element_type=jnp.float32).astype(w.dtype))
+
+dense.defvjp(lambda x, w: (dense(x, w), (x, w)), _dense_bwd)
 
 def linear(x, n_out: int, cfg: ModelConfig, name: str, lora: LoRAConfig | None = None):
     "`x @ wᵀ + b` with `w` `[n_out, n_in]` and bias `b`, in the compute dtype (plus a LoRA update if `lora` targets `name`)."
@@ -289,17 +302,33 @@ def split_layers(params: dict, take=lambda stack, i: stack[i]) -> tuple[dict, li
 
 _block = hk.without_apply_rng(hk.transform(block))   # one block, as a pure function of one layer's weights
 
+def remat_in_turn(f):
+    """`f(p, x)`, rematerialized: its backward pass recomputes `f` from `(p, x)` only once the gradient of `f`'s output
+    has arrived. (In an unrolled loop, XLA runs a plain `jax.checkpoint`'s recomputations whenever it likes, all of them
+    early, and then holds every block's intermediates at once: remat saved nothing.)"""
+    @jax.custom_vjp
+    def g(p, x): return f(p, x)
+    def bwd(res, ct):
+        p, x, ct = jax.lax.optimization_barrier((*res, ct))   # recompute after `ct`, not before
+        return jax.vjp(f, p, x)[1](ct)
+    g.defvjp(lambda p, x: (f(p, x), (p, x)), bwd)
+    return g
+
 def run_layers(layers: list, x, sin, cos, live, attention_mask, cache, cfg, hint=no_hint, lora=None):
     "The blocks on `x`, in a loop over `layers` (each one layer's weights): the new `x` and the updated cache (or None)."
     T = x.shape[1]
     mask = None if cache is None and attention_mask is None else jnp.tril(jnp.ones((T, T), bool))[None] & live[:, None, :]
     run = lambda p, x, i: _block.apply(p, x, sin, cos, mask, cfg, cache, i, hint=hint, lora=lora)
-    if cfg.remat and cache is None: run = jax.checkpoint(run, policy=REMAT_POLICY[cfg.remat_policy], static_argnums=2)
+    if cache is None:   # no cache: only x goes on (remat: "nothing" in turn; "dots" keeps the products, as in the scan)
+        step = lambda p, x, i: run(p, x, i)[0]
+        if cfg.remat and cfg.remat_policy == "nothing": step = lambda p, x, i, f=step: remat_in_turn(partial(f, i=i))(p, x)
+        elif cfg.remat: step = jax.checkpoint(step, policy=REMAT_POLICY[cfg.remat_policy], static_argnums=2)
+        for i, p in enumerate(layers): x = step(p, x, i)
+        return x, None
     kv = []
     for i, p in enumerate(layers):
         x, new = run(p, x, i)
         kv.append(new)
-    if cache is None: return x, None
     k, v = (jnp.stack([n[j].astype(cache.k.dtype) for n in kv]) for j in (0, 1))
     return x, cache.write(k, v, live)
 

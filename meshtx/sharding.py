@@ -11,7 +11,7 @@ import numpy as np
 import jax, jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .config import ModelConfig
-from .model import param_shapes, KVCache, LOSS_ROWS, _n_chunks
+from .model import param_shapes, KVCache, LOSS_ROWS, _n_chunks, cache_dtype
 
 # %% auto #0
 __all__ = ['AXES', 'BATCH', 'PARTITION_RULES', 'ACTIVATION_SPECS', 'GiB', 'MiB', 'CHIPS', 'USABLE', 'choose_axes', 'make_mesh',
@@ -236,10 +236,12 @@ class MemoryPlan:
 # %% ../nbs/03_sharding.ipynb #14419268
 def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batch: int = 1, seq: int | None = None,
          device: str | None = None, param_dtype=None, opt_dtype="float32", compute_dtype="bfloat16",
-         lora_rank: int = 16, remat: bool | None = None, dp=None, fsdp=None, mp=None) -> MemoryPlan:
-    "Bytes per device to run `config` in `mode` ('infer', 'train', 'lora') on a mesh or a number of devices."
+         lora_rank: int = 16, remat: bool | None = None, dp=None, fsdp=None, mp=None, backend: str | None = None) -> MemoryPlan:
+    """Bytes per device to run `config` in `mode` ('infer', 'train', 'lora') on a mesh or a number of devices, on `backend`
+    ('cpu', 'gpu', 'tpu'; default: `device`'s, else JAX's)."""
     config = ModelConfig.preset(config) if isinstance(config, str) else config
     if device is not None and device not in CHIPS: raise ValueError(f"unknown device {device!r}; known: {sorted(CHIPS)}")
+    backend = backend or (None if device is None else "tpu" if device.startswith("tpu") else "gpu") or jax.default_backend()
     seq = seq or config.n_ctx
     if seq > config.n_ctx: raise ValueError(f"seq={seq} is longer than the model's context n_ctx={config.n_ctx}")
     if batch < 1 or seq < 1: raise ValueError(f"batch={batch} and seq={seq} must be at least 1")
@@ -285,7 +287,7 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     logits = tok * V / mpn * 4
     if mode == "infer":
         b["activations"] = b["activations_no_remat"] = int(layer + logits)
-        kv_c = _nbytes(compute_dtype)
+        kv_c = _nbytes(cache_dtype(config.replace(compute_dtype=str(jnp.dtype(compute_dtype))), backend))
         b["kv_cache"] = L * 2 * rows * seq * int(HD) * kv_c
     else:   # the fused loss holds one chunk's logits, exponentials and gradient (and, training the head, its gradient sum)
         loss = 3 * logits / _n_chunks(batch, seq, LOSS_ROWS * shards) + (D * V / mpn * 4 if mode == "train" else 0)
