@@ -305,11 +305,14 @@ _block = hk.without_apply_rng(hk.transform(block))   # one block, as a pure func
 def remat_in_turn(f):
     """`f(p, x)`, rematerialized: its backward pass recomputes `f` from `(p, x)` only once the gradient of `f`'s output
     has arrived. (In an unrolled loop, XLA runs a plain `jax.checkpoint`'s recomputations whenever it likes, all of them
-    early, and then holds every block's intermediates at once: remat saved nothing.)"""
+    early, and then holds every block's intermediates at once: remat saved nothing. XLA's CPU compiler also drops an
+    `optimization_barrier` before it schedules, so the order is made a data dependency: `x + 0 · ct[0]`, which float
+    arithmetic may not simplify away.)"""
     @jax.custom_vjp
     def g(p, x): return f(p, x)
     def bwd(res, ct):
-        p, x, ct = jax.lax.optimization_barrier((*res, ct))   # recompute after `ct`, not before
+        p, x, ct = jax.lax.optimization_barrier((*res, ct))   # recompute after `ct`, not before (GPU, TPU)
+        x = x + (ct[(0,) * ct.ndim] * 0).astype(x.dtype)      # the same, where the barrier is dropped (CPU)
         return jax.vjp(f, p, x)[1](ct)
     g.defvjp(lambda p, x: (f(p, x), (p, x)), bwd)
     return g

@@ -243,11 +243,9 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     if device is not None and device not in CHIPS: raise ValueError(f"unknown device {device!r}; known: {sorted(CHIPS)}")
     notes = []
     backend = backend or (None if device is None else "tpu" if device.startswith("tpu") else "gpu") or jax.default_backend()
-    if backend == "cpu":   # what the numbers below assume there
-        notes.append("on a CPU: the blocks' weights are read in place, one layer at a time (no float32 copies)" +
-                     ("; the KV cache is float32 (meshtx keeps it so there)" if mode == "infer" else
-                      "; XLA's CPU scheduler may hold more than one block's activations at once (measured in a LoRA "
-                      "step at GPT-J-6B's width, 1 x 512: 3.5 GB of temporaries where this plan counts 0.5)"))
+    if backend == "cpu" and mode != "train":   # what the numbers below assume there
+        notes.append("on a CPU: the " + ("frozen " if mode == "lora" else "") + "blocks' weights are read in place, one "
+                     "layer at a time (no float32 copies)" + ("; the KV cache is float32" if mode == "infer" else ""))
     seq = seq or config.n_ctx
     if seq > config.n_ctx: raise ValueError(f"seq={seq} is longer than the model's context n_ctx={config.n_ctx}")
     if batch < 1 or seq < 1: raise ValueError(f"batch={batch} and seq={seq} must be at least 1")

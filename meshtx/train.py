@@ -25,8 +25,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 # %% auto #0
-__all__ = ['STEP_OPTIONS', 'DEMO_CONFIG', 'lr_schedule', 'decay_mask', 'make_optimizer', 'TrainState', 'next_token_loss',
-           'make_train_step', 'Trainer', 'demo_corpus', 'random_windows', 'demo']
+__all__ = ['DEMO_CONFIG', 'lr_schedule', 'decay_mask', 'make_optimizer', 'TrainState', 'next_token_loss', 'make_train_step',
+           'Trainer', 'demo_corpus', 'random_windows', 'demo']
 
 # %% ../nbs/08_train.ipynb #5127e80a
 def lr_schedule(lr: float, end_lr: float, warmup_steps: int, anneal_steps: int):
@@ -72,11 +72,6 @@ def next_token_loss(model, params, frozen, tokens):
     return model.apply(join(outer, p_outer), tokens[:, :-1], targets=tokens[:, 1:],
                        layers=[join(f, p) for f, p in zip(layers, p_layers)])
 
-# XLA options for the training step, by backend. On the CPU, XLA's default scheduler runs independent work side by side
-# and holds its buffers meanwhile: for the blocks run one by one (a LoRA step over `layer_views`), that held about 0.12 GB
-# more per block at 512 tokens (GPT-J-6B's width, 28 blocks: 4.6 GB of temporaries; 3.5 GB without it).
-STEP_OPTIONS = {"cpu": {"xla_cpu_enable_concurrency_optimized_scheduler": False}}
-
 def make_train_step(config: ModelConfig, optimizer, mesh=None, lora: LoRAConfig | None = None):
     """`step(state, batch [accum, B, T+1], frozen={}) -> (state, metrics)`: jitted with the state donated; with a
     `mesh`, left for the caller to jit with its shardings (as the `Trainer` does)."""
@@ -101,7 +96,7 @@ def make_train_step(config: ModelConfig, optimizer, mesh=None, lora: LoRAConfig 
             return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1)
         # a skipped step runs no update at all (rather than computing one and selecting the old state)
         return jax.lax.cond(ok, update, lambda s: s, state), {"loss": loss, "grad_norm": gnorm, "skipped": ~ok}
-    if mesh is None: return jax.jit(step, donate_argnums=0, compiler_options=STEP_OPTIONS.get(jax.default_backend()))
+    if mesh is None: return jax.jit(step, donate_argnums=0)
     return step   # the Trainer jits it with shardings
 
 # %% ../nbs/08_train.ipynb #86b24062
@@ -154,8 +149,7 @@ class Trainer:
             o_sh = opt_state_shardings(self.optimizer, trainable, p_sh, mesh)
             opt_state = jax.jit(self.optimizer.init, out_shardings=o_sh)(trainable)
             s_sh = TrainState(p_sh, o_sh, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-            self._step = jax.jit(step, out_shardings=(s_sh, None), donate_argnums=0,
-                                 compiler_options=STEP_OPTIONS.get(jax.default_backend()))
+            self._step = jax.jit(step, out_shardings=(s_sh, None), donate_argnums=0)
         step0 = jnp.zeros((), jnp.int32)
         if mesh is not None: step0 = jax.device_put(step0, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
         self.state = TrainState(trainable, opt_state, step0)

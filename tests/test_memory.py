@@ -41,3 +41,40 @@ def test_bf16_load_peak_memory(tmp_path):
     ratio = m["growth"] / m["bf16"]
     print(f"fp32 checkpoint {fp32 / 1e6:.0f} MB, bf16 params {m['bf16'] / 1e6:.0f} MB, peak RSS growth {m['growth'] / 1e6:.0f} MB = {ratio:.2f}x")
     assert ratio < 1.5, f"peak RSS grew {ratio:.2f}x the bf16 size"
+
+
+LORA_TEMPS = textwrap.dedent("""
+    import sys, json, jax, jax.numpy as jnp
+    from meshtx import ModelConfig, LoRAConfig
+    from meshtx.model import gptj, split_layers
+    from meshtx.lora import split_adapters
+    from meshtx.train import make_optimizer, make_train_step, TrainState
+    S, out = 256, {}
+    for L in (2, 8):
+        cfg = ModelConfig(n_layer=L, d_model=512, n_head=8, rotary_dim=32, n_vocab=1024, n_ctx=S,
+                          param_dtype="bfloat16", compute_dtype="bfloat16", remat=True)
+        lora = LoRAConfig(rank=8)
+        frozen, trainable = split_adapters(jax.eval_shape(gptj(cfg, lora=lora).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+        opt = make_optimizer()
+        state = TrainState(trainable, jax.eval_shape(opt.init, trainable), jax.ShapeDtypeStruct((), jnp.int32))
+        one = lambda x, i: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)   # the frozen blocks one layer at a time, as on a CPU
+        step = make_train_step(cfg, opt, None, lora).lower(state, jax.ShapeDtypeStruct((1, 1, S + 1), jnp.int32),
+                                                           split_layers(frozen, one))
+        out[L] = step.compile().memory_analysis().temp_size_in_bytes
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_unrolled_lora_step_remats(tmp_path):
+    "A LoRA step over per-layer weights (the CPU's path) with remat keeps each block's input, not its activations."
+    import json
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-c", LORA_TEMPS], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    t = {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
+    per_layer = (t[8] - t[2]) / 6
+    saved = 256 * 512 * 4            # one block's input, even in float32
+    activations = 256 * (2 * 512 * 8 + 2 * 2048 * 6) + 8 * 256 * 256 * 6   # roughly what one block computes (~8 MB)
+    assert per_layer <= 4 * saved, (f"each further block adds {per_layer / 1e6:.2f} MB of XLA temporaries: its "
+                                    f"activations (~{activations / 1e6:.1f} MB) are kept, remat saved nothing", t)
