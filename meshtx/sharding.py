@@ -281,6 +281,7 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
         b["params"] += n * 4
     # activations, per device: tokens are split over dp x fsdp (when they divide), heads / MLP units / vocabulary over mp
     c, D, L, V = _nbytes(compute_dtype), config.d_model, config.n_layer, config.n_vocab
+    kv_c = _nbytes(cache_dtype(config.replace(compute_dtype=str(jnp.dtype(compute_dtype))), backend))   # float32 on a CPU
     mpn = axes["mp"]
     tok = rows * seq
     H, HD, F = config.n_head / mpn, config.n_head * config.d_head / mpn, config.d_ff / mpn
@@ -291,7 +292,6 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     logits = tok * V / mpn * 4
     if mode == "infer":
         b["activations"] = b["activations_no_remat"] = int(layer + logits)
-        kv_c = _nbytes(cache_dtype(config.replace(compute_dtype=str(jnp.dtype(compute_dtype))), backend))
         b["kv_cache"] = L * 2 * rows * seq * int(HD) * kv_c
     else:   # the fused loss holds one chunk's logits, exponentials and gradient (and, training the head, its gradient sum)
         loss = 3 * logits / _n_chunks(batch, seq, LOSS_ROWS * shards) + (D * V / mpn * 4 if mode == "train" else 0)
@@ -299,5 +299,5 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
         b["activations"] = int(L * tok * c * D + layer + loss)
     b["total"] = (b["params"] + b["opt_state"] + b["grads"] + b["gathered"] + b["kv_cache"]   # updates reuse the activations' memory
                   + max(b["updates"], b["activations"] if remat else b["activations_no_remat"]))
-    kv_per_token = L * 2 * config.n_head * config.d_head * _nbytes(compute_dtype)
+    kv_per_token = L * 2 * config.n_head * config.d_head * kv_c
     return MemoryPlan(config, mode, axes, batch, seq, b, kv_per_token, device, remat, tuple(notes))

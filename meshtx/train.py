@@ -333,6 +333,7 @@ def restore(self: Trainer, directory=None, step: int | None = None, weights_only
         raise ValueError(f"checkpoint step {step} in {ck.directory} was written by an earlier meshtx, whose weight matrices "
                          "were [in, out]; a run cannot continue across that change. `LM.load` reads its weights (a full "
                          "fine-tune's) into today's layout: start a new run from them")
+    if weights_only:   # the original's --fresh-opt: these weights, a new optimizer state, step 0
         tree, _ = ck.restore(step, {"params": abstract(self.state.params)})
         params = tree["params"]
         opt_state = jax.jit(self.optimizer.init, out_shardings=jax.tree.map(lambda x: x.sharding, self.state.opt_state))(params)

@@ -79,13 +79,17 @@ def test_sampler_widget_in_browser(voila, page):
         assert widget_text(page, "meshtx-max-tokens") == "400"
         page.screenshot(path=str(out / "1-ready.png"))
         page.click(".meshtx-generate")
-        # streaming: the output grows, sampled twice
+        # streaming: the output grows in several steps while the generation runs (the first generation compiles the
+        # decoding loop after the first piece: a pause of a second or more, then pieces every ~0.1 s)
         n1 = len(wait_until(lambda: widget_text(page, "meshtx-output"), COMPILE_TIMEOUT, msg="the first tokens"))
-        time.sleep(0.7)
-        n2 = len(widget_text(page, "meshtx-output"))
-        time.sleep(0.7)
-        n3 = len(widget_text(page, "meshtx-output"))
-        assert n1 < n2 < n3, f"the output did not grow while streaming: {n1}, {n2}, {n3} characters"
+        seen = [n1]
+        def grew_twice():
+            n = len(widget_text(page, "meshtx-output"))
+            if n != seen[-1]: seen.append(n)
+            return len(seen) >= 3
+        wait_until(grew_twice, COMPILE_TIMEOUT, interval=0.05, msg="the output to grow twice while streaming")
+        assert seen == sorted(seen), f"the output shrank while streaming: {seen} characters"
+        n3 = seen[-1]
         page.screenshot(path=str(out / "2-streaming.png"))
         assert page.locator(".meshtx-stop").is_enabled(), "Stop is disabled while generating"
         page.click(".meshtx-stop")

@@ -174,12 +174,14 @@ def test_loading_on_a_mesh_never_replicates(tmp_path):
 
 
 def test_plan_gptj_6b_analytic():
-    p = plan("gptj-6b", 1, mode="infer", batch=1, seq=2048)
+    p = plan("gptj-6b", 1, mode="infer", batch=1, seq=2048, backend="tpu")
     assert p.bytes["params"] == 6_050_882_784 * 2            # 12.1 GB of bf16 weights
     assert round(p.bytes["params"] / 1e9, 1) == 12.1
     assert p.kv_cache_per_token == 458_752                    # 28 layers x (k, v) x 4096 x 2 bytes
     assert p.bytes["kv_cache"] == 458_752 * 2048
-    tp8 = plan("gptj-6b", 8, mode="infer")
+    cpu = plan("gptj-6b", 1, mode="infer", batch=1, seq=2048, backend="cpu")   # meshtx keeps a float32 cache there
+    assert (cpu.kv_cache_per_token, cpu.bytes["kv_cache"]) == (2 * 458_752, 2 * 458_752 * 2048)
+    tp8 = plan("gptj-6b", 8, mode="infer", backend="tpu")
     assert tp8.mesh == {"dp": 1, "fsdp": 1, "mp": 8}
     assert tp8.bytes["kv_cache"] == 458_752 * 2048 // 8
     assert abs(tp8.bytes["params"] - p.bytes["params"] / 8) < 0.002 * p.bytes["params"]   # all but LayerNorms split
