@@ -7,7 +7,7 @@ Docs: https://meshtx.github.io/meshtx/model.html.md"""
 # %% ../nbs/01_model.ipynb #21ec71ac
 from __future__ import annotations
 import math
-from functools import partial
+from functools import cache, partial
 from typing import NamedTuple
 import numpy as np
 import jax, jax.numpy as jnp
@@ -16,10 +16,10 @@ import optax
 from .config import ModelConfig, LoRAConfig
 
 # %% auto #0
-__all__ = ['REMAT_POLICY', 'BLOCKS', 'LOSS_ROWS', 'rotary_angles', 'apply_rotary', 'attend', 'self_attention', 'cache_dtype',
-           'KVCache', 'attend_cached', 'cache_read', 'low_rank', 'lora_update', 'dense', 'linear', 'layer_norm',
-           'gelu_new', 'no_hint', 'block', 'add_bias', 'split_layers', 'remat_in_turn', 'run_layers', 'GPTJ', 'gptj',
-           'init_params', 'param_shapes', 'cross_entropy', 'fused_cross_entropy']
+__all__ = ['REMAT_POLICY', 'BLOCKS', 'LOSS_ROWS', 'rotary_angles', 'apply_rotary', 'cpu_mixed_products', 'einsum32', 'attend',
+           'self_attention', 'cache_dtype', 'KVCache', 'attend_cached', 'cache_read', 'low_rank', 'lora_update',
+           'dense', 'linear', 'layer_norm', 'gelu_new', 'no_hint', 'block', 'add_bias', 'split_layers', 'remat_in_turn',
+           'run_layers', 'GPTJ', 'gptj', 'init_params', 'param_shapes', 'cross_entropy', 'fused_cross_entropy']
 
 # %% ../nbs/01_model.ipynb #3d5d82b2
 def rotary_angles(positions: jax.Array, rotary_dim: int, base: float = 10000.0):
@@ -37,9 +37,33 @@ def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
     rotated = jnp.stack([even * c - odd * s, odd * c + even * s], axis=-1).reshape(rot.shape)
     return jnp.concatenate([rotated.astype(x.dtype), rest], axis=-1)
 
+# %% ../nbs/01_model.ipynb #bc2ffd98
+_PRODUCTS = (("...i,oi->...o", (1, 3, 8), (4, 8)), ("...o,...i->oi", (1, 3, 4), (1, 3, 8)), ("...o,oi->...i", (1, 3, 4), (4, 8)),
+             ("bthd,bshd->bhts", (1, 3, 2, 4), (1, 3, 2, 4)), ("bhts,bshd->bhtd", (1, 2, 3, 3), (1, 3, 2, 4)),
+             ("bthd,bhsd->bhts", (1, 3, 2, 4), (1, 2, 5, 4)), ("bhts,bhsd->bhtd", (1, 2, 3, 5), (1, 2, 5, 4)),
+             ("nbhtd,nbhsd->nbhts", (2, 1, 2, 3, 4), (2, 1, 2, 5, 4)), ("nbhts,nbhsd->nbhtd", (2, 1, 2, 3, 5), (2, 1, 2, 5, 4)),
+             ("btv,btd->vd", (1, 3, 6), (1, 3, 8)), ("bt,btv->v", (1, 3), (1, 3, 6)))
+
+@cache
+def cpu_mixed_products() -> bool:
+    "Whether this jaxlib's CPU backend multiplies bf16 by bf16 into float32 in every product the model uses."
+    ones = lambda shape: jax.device_put(jnp.ones(shape, jnp.bfloat16), jax.devices("cpu")[0])
+    args = [(ones(a), ones(b)) for _, a, b in _PRODUCTS]
+    products = lambda args: [jnp.einsum(s, a, b, preferred_element_type=jnp.float32) for (s, _, _), (a, b) in zip(_PRODUCTS, args)]
+    try:
+        jax.block_until_ready(jax.jit(products)(args))   # one small program: a fraction of a second, once
+        return True
+    except Exception: return False   # jaxlib 0.7: "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"
+
+def einsum32(spec: str, a, b):
+    "`jnp.einsum(spec, a, b)` accumulated in float32, from the inputs' own dtype (widened first on a CPU that cannot)."
+    if (a.dtype, b.dtype) != (jnp.float32,) * 2 and jax.default_backend() == "cpu" and not cpu_mixed_products():
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
 # %% ../nbs/01_model.ipynb #eb2289ca
 def _scores(q, k, mask):
-    s = jnp.einsum("bthd,bshd->bhts", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+    s = einsum32("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
     return jnp.where(mask[:, None], s, jnp.finfo(jnp.float32).min)
 
 @jax.custom_vjp
@@ -58,7 +82,7 @@ def _attend_bwd(saved, do):
     q, k, v, mask, m, l = saved
     p = jnp.exp(_scores(q, k, mask) - m) / l                                   # the softmax weights again
     dv = jnp.einsum("bhts,bthd->bshd", p.astype(do.dtype), do)
-    dp = jnp.einsum("bthd,bshd->bhts", do, v, preferred_element_type=jnp.float32)
+    dp = einsum32("bthd,bshd->bhts", do, v)
     ds = jnp.where(mask[:, None], p * (dp - (p * dp).sum(-1, keepdims=True)), 0.0)   # masked scores get no gradient
     ds = (ds / math.sqrt(q.shape[-1])).astype(q.dtype)
     return (jnp.einsum("bhts,bshd->bthd", ds, k).astype(q.dtype), jnp.einsum("bhts,bthd->bshd", ds, q).astype(k.dtype),
@@ -144,18 +168,18 @@ def attend_cached(q, k, v, mask, cache: KVCache, layer, read: str = "chunks") ->
     m = s.max(-1)                                          # running max     [B, H, T]
     p = jnp.exp(s - m[..., None])
     l = p.sum(-1)                                          # running sum     [B, H, T]
-    o = jnp.einsum("bhts,bshd->bhtd", p.astype(v.dtype), v, preferred_element_type=f32)   # running output
+    o = einsum32("bhts,bshd->bhtd", p.astype(v.dtype), v)   # running output
     C = cache.chunk
     def chunk(c, carry):
         m, l, o = carry
         kc, vc = (jax.lax.dynamic_slice(x, (layer, c, 0, 0, 0, 0), (1, 1, B, H, C, d))[0, 0] for x in (cache.k, cache.v))
         ok = jax.lax.dynamic_slice(cache.valid, (0, c * C), (B, C))
-        sc = jnp.einsum("bthd,bhsd->bhts", q, kc.astype(q.dtype), preferred_element_type=f32) * scale
+        sc = einsum32("bthd,bhsd->bhts", q, kc.astype(q.dtype)) * scale
         sc = jnp.where(ok[:, None, None, :], sc, floor)
         m_new = jnp.maximum(m, sc.max(-1))
         pc = jnp.exp(sc - m_new[..., None])
         fix = jnp.exp(m - m_new)
-        o = o * fix[..., None] + jnp.einsum("bhts,bhsd->bhtd", pc.astype(v.dtype), vc.astype(v.dtype), preferred_element_type=f32)
+        o = o * fix[..., None] + einsum32("bhts,bhsd->bhtd", pc.astype(v.dtype), vc.astype(v.dtype))
         return m_new, l * fix + pc.sum(-1), o
     n = (cache.length + C - 1) // C
     m, l, o = jax.lax.fori_loop(0, n, chunk, (m, l, o))
@@ -167,14 +191,14 @@ def _attend_all_slots(q, v, s, cache: KVCache, layer) -> jax.Array:
     f32, (B, T, H, d), (n, C) = jnp.float32, q.shape, cache.k.shape[1:5:3]
     kl, vl = cache.k[layer].astype(q.dtype), cache.v[layer].astype(v.dtype)          # [n_chunks, B, H, chunk, d]
     qn = jnp.broadcast_to(q.transpose(0, 2, 1, 3)[None], (n, B, H, T, d))
-    sc = jnp.einsum("nbhtd,nbhsd->nbhts", qn, kl, preferred_element_type=f32) / math.sqrt(d)
+    sc = einsum32("nbhtd,nbhsd->nbhts", qn, kl) / math.sqrt(d)
     ok = cache.valid.reshape(B, n, C).transpose(1, 0, 2)[:, :, None, None, :]      # [n_chunks, B, 1, 1, chunk]
     sc = jnp.where(ok, sc, jnp.finfo(f32).min)
     m = jnp.maximum(sc.max((0, 4)), s.max(-1))                                      # [B, H, T]
     pc, pn = jnp.exp(sc - m[..., None]), jnp.exp(s - m[..., None])
     l = pc.sum((0, 4)) + pn.sum(-1)
-    o = jnp.einsum("nbhts,nbhsd->nbhtd", pc.astype(v.dtype), vl, preferred_element_type=f32).sum(0)
-    o = o + jnp.einsum("bhts,bshd->bhtd", pn.astype(v.dtype), v, preferred_element_type=f32)
+    o = einsum32("nbhts,nbhsd->nbhtd", pc.astype(v.dtype), vl).sum(0)
+    o = o + einsum32("bhts,bshd->bhtd", pn.astype(v.dtype), v)
     return (o / l[..., None]).astype(v.dtype).transpose(0, 2, 1, 3)
 
 def cache_read(cfg: ModelConfig) -> str:
@@ -217,12 +241,12 @@ def lora_update(x, target: str, n_out: int, cfg: ModelConfig, lora: LoRAConfig |
 @jax.custom_vjp
 def dense(x, w):
     "`x @ wᵀ` for a weight `w` `[n_out, n_in]` (`torch.nn.Linear`'s layout), accumulated in float32, in `x`'s dtype."
-    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return einsum32("...i,oi->...o", x, w).astype(x.dtype)
 
 def _dense_bwd(res, g):   # both products from the inputs' own dtype (bf16), accumulated in float32
     x, w = res
-    return (jnp.einsum("...o,oi->...i", g, w, preferred_element_type=jnp.float32).astype(x.dtype),
-            jnp.einsum("...o,...i->oi", g, x, preferred_element_type=jnp.float32).astype(w.dtype))
+    return (einsum32("...o,oi->...i", g, w).astype(x.dtype),
+            einsum32("...o,...i->oi", g, x).astype(w.dtype))
 
 dense.defvjp(lambda x, w: (dense(x, w), (x, w)), _dense_bwd)
 
@@ -388,7 +412,7 @@ class GPTJ(hk.Module):
             weights = jnp.ones((B, T), jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
             rows = LOSS_ROWS * getattr(self.hint, "batch_shards", 1)   # a chunk of LOSS_ROWS tokens per device
             return fused_cross_entropy(h, w, b, targets, weights / jnp.maximum(weights.sum(), 1.0), self.hint, rows)
-        logits = self.hint(add_bias(jnp.einsum("btd,vd->btv", h, w, preferred_element_type=jnp.float32), b.astype(jnp.float32)), "logits")
+        logits = self.hint(add_bias(einsum32("btd,vd->btv", h, w), b.astype(jnp.float32)), "logits")
         return logits if new_cache is None else (logits, new_cache)
 
 # %% ../nbs/01_model.ipynb #caf01be8
@@ -423,7 +447,7 @@ LOSS_ROWS = 512   # tokens per chunk of the fused loss: the fastest of 256 to 2,
 
 def _loss_chunk(h, w, b, targets, weights, hint, grads: bool):
     "Weighted cross-entropy sum of one chunk of tokens; with `grads`, also its gradients for `h`, `w`, `b`."
-    logits = hint(jnp.einsum("btd,vd->btv", h, w, preferred_element_type=jnp.float32) + b.astype(jnp.float32), "logits")
+    logits = hint(einsum32("btd,vd->btv", h, w) + b.astype(jnp.float32), "logits")
     top = logits.max(-1, keepdims=True)
     e = jnp.exp(logits - top)
     total = e.sum(-1, keepdims=True)
@@ -432,9 +456,9 @@ def _loss_chunk(h, w, b, targets, weights, hint, grads: bool):
     loss = (nll * weights).sum()
     if not grads: return loss
     dlogits = ((e / total - hit) * weights[..., None]).astype(w.dtype)   # d loss / d logits
-    dh = jnp.einsum("btv,vd->btd", dlogits, w, preferred_element_type=jnp.float32).astype(h.dtype)
-    dw = jnp.einsum("btv,btd->vd", dlogits, h, preferred_element_type=jnp.float32)
-    db = jnp.einsum("bt,btv->v", jnp.ones(dlogits.shape[:2], dlogits.dtype), dlogits, preferred_element_type=jnp.float32)
+    dh = einsum32("btv,vd->btd", dlogits, w).astype(h.dtype)
+    dw = einsum32("btv,btd->vd", dlogits, h)
+    db = einsum32("bt,btv->v", jnp.ones(dlogits.shape[:2], dlogits.dtype), dlogits)
     return loss, dh, dw, db
 
 def _chunked(x, n):   # [B, T, ...] -> [n, B, T/n, ...]
