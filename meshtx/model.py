@@ -47,13 +47,14 @@ _PRODUCTS = (("...i,oi->...o", (1, 3, 8), (4, 8)), ("...o,...i->oi", (1, 3, 4), 
 @cache
 def cpu_mixed_products() -> bool:
     "Whether this jaxlib's CPU backend multiplies bf16 by bf16 into float32 in every product the model uses."
-    ones = lambda shape: jax.device_put(jnp.ones(shape, jnp.bfloat16), jax.devices("cpu")[0])
-    args = [(ones(a), ones(b)) for _, a, b in _PRODUCTS]
-    products = lambda args: [jnp.einsum(s, a, b, preferred_element_type=jnp.float32) for (s, _, _), (a, b) in zip(_PRODUCTS, args)]
-    try:
-        jax.block_until_ready(jax.jit(products)(args))   # one small program: a fraction of a second, once
-        return True
-    except Exception: return False   # jaxlib 0.7: "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"
+    with jax.ensure_compile_time_eval():   # run now, even when asked while a model is being traced
+        ones = lambda shape: jax.device_put(jnp.ones(shape, jnp.bfloat16), jax.devices("cpu")[0])
+        args = [(ones(a), ones(b)) for _, a, b in _PRODUCTS]
+        products = lambda args: [jnp.einsum(s, a, b, preferred_element_type=jnp.float32) for (s, _, _), (a, b) in zip(_PRODUCTS, args)]
+        try:
+            [np.asarray(r) for r in jax.jit(products)(args)]   # one small program, once; the error shows on reading
+            return True
+        except Exception: return False   # jaxlib 0.7: "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"
 
 def einsum32(spec: str, a, b):
     "`jnp.einsum(spec, a, b)` accumulated in float32, from the inputs' own dtype (widened first on a CPU that cannot)."
