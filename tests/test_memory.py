@@ -44,7 +44,7 @@ def test_bf16_load_peak_memory(tmp_path):
 
 
 LORA_TEMPS = textwrap.dedent("""
-    import sys, json, jax, jax.numpy as jnp
+    import json, jax, jax.numpy as jnp
     from meshtx import ModelConfig, LoRAConfig
     from meshtx.model import gptj, split_layers
     from meshtx.lora import split_adapters
@@ -66,7 +66,7 @@ LORA_TEMPS = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_unrolled_lora_step_remats(tmp_path):
+def test_unrolled_lora_step_remats():
     "A LoRA step over per-layer weights (the CPU's path) with remat keeps each block's input, not its activations."
     import json
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
