@@ -66,6 +66,11 @@ def _pread_into(fn, pos: int, buf: np.ndarray):
                 raise ValueError(f"{fn} ends at byte {pos + done}, inside a tensor: the file is truncated")
             done += k
 
+def _drop_cached(fn, pos: int, n: int):
+    "Tell the kernel that bytes `pos:pos + n` of file `fn` will not be read again: it may drop them from the page cache."
+    if not hasattr(os, "posix_fadvise"): return
+    with open(fn, "rb", buffering=0) as f: os.posix_fadvise(f.fileno(), pos, n, os.POSIX_FADV_DONTNEED)
+
 # %% ../nbs/02b_torchfile.ipynb #e8fe8a3c
 _DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
            "int64": np.int64, "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8,
@@ -223,6 +228,7 @@ def _extent(t: _Tensor) -> int:
 # %% ../nbs/02b_torchfile.ipynb #227c7799
 class TorchFile:
     "The tensors of PyTorch checkpoint `fn` (torch's zip format), read without torch: `shapes` and `dtypes` now, data by `read`."
+    drop_cache = False   # True: drop what `read` read from the page cache (see `weights.assemble`)
     def __init__(self, fn):
         self.fn = str(fn)
         with _open_zip(self.fn) as zf:
@@ -281,6 +287,7 @@ def read(self: TorchFile, name: str, rows: slice = slice(None)) -> np.ndarray:
     direct = _in_order(shape, stride)
     buf = out if direct else np.empty(1 + sum((n - 1) * s for n, s in zip(shape, stride)), t.dtype)
     _pread_into(self.fn, pos, buf)
+    if self.drop_cache: _drop_cached(self.fn, pos, buf.nbytes)
     if self._swap: _swap_bytes(buf)
     if not direct: out[...] = np.lib.stride_tricks.as_strided(buf, shape, [s * t.dtype.itemsize for s in stride])
     if "neg" in t.flags: np.negative(out, out=out)

@@ -7,16 +7,17 @@ Docs: https://meshtx.github.io/meshtx/weights.html.md"""
 # %% ../nbs/02_weights.ipynb #fc0abd5b
 from __future__ import annotations
 import errno, glob, itertools, json, math, os, re, shutil, uuid, warnings
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-import numpy as np
+import numpy as np, ml_dtypes
 import jax, jax.numpy as jnp
 from safetensors import safe_open
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 from .config import ModelConfig, DTYPES
 from .model import param_shapes
-from .torchfile import TorchFile
+from .torchfile import TorchFile, _pread_into, _drop_cached
 
 # %% auto #0
 __all__ = ['IGNORED', 'SAVE_FILES', 'MESHTX_CONFIG', 'MESHTX_PARAMS', 'LAYOUT', 'OLD_LAYOUT', 'hf_tensor_map', 'hf_shapes',
@@ -80,14 +81,32 @@ def _safe_open(fn):
     except Exception as e:   # safetensors raises its own SafetensorError (and OSError for unreadable files)
         raise ValueError(f"cannot read {fn}: {e} (is the file complete?)") from None
 
+_ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": ml_dtypes.bfloat16, "I64": "<i8", "I32": "<i4",
+              "I16": "<i2", "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
+              "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
 class _Safetensors:
-    "Lazy tensors of a safetensors file. The file is opened per read so no mapping outlives a read."
+    """Lazy tensors of a safetensors file: `safe_open` checks the header; `read` then reads a tensor's rows with
+    `pread` straight into a new array (no mapping outlives a read, and threads can read at once)."""
+    drop_cache = False   # True: drop what `read` read from the page cache (see `assemble`)
     def __init__(self, fn):
         self.fn = fn
         with _safe_open(fn) as f:
             self.shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        with open(fn, "rb") as f:   # the header safe_open has just validated: 8-byte length, then JSON
+            n = int.from_bytes(f.read(8), "little"); header = json.loads(f.read(n))
+        self.where = {k: (8 + n + v["data_offsets"][0], v["dtype"]) for k, v in header.items() if k in self.shapes}
     def read(self, name, rows=slice(None)) -> np.ndarray:
-        with safe_open(self.fn, framework="numpy") as f: return f.get_slice(name)[rows]
+        (pos, dt), shape = self.where[name], self.shapes[name]
+        if dt not in _ST_DTYPES: raise ValueError(f"tensor {name!r} in {self.fn} has dtype {dt}, which meshtx cannot read")
+        dt = np.dtype(_ST_DTYPES[dt])
+        start, stop = rows.indices(shape[0])[:2] if shape else (0, 1)
+        out = np.empty((max(stop - start, 0), *shape[1:]) if shape else (), dt)
+        if out.size:
+            pos += start * math.prod(shape[1:]) * dt.itemsize
+            _pread_into(self.fn, pos, out)
+            if self.drop_cache: _drop_cached(self.fn, pos, out.nbytes)
+        return out
 
 class _LegacyTorch:
     "Tensors of a `pytorch_model.bin` in torch's legacy (pre-zip) format, read whole by `torch.load(weights_only=True)`."
@@ -180,7 +199,26 @@ def _place(pieces: list, chunk: np.ndarray, row0: int, index: tuple):
             src.append(slice(lo - first, hi - first)); at.append(lo - s)
         else: piece.write(tuple(at), chunk[tuple(src)], lead)
 
-def assemble(shapes: dict, shardings, tensors, progress: bool = True, chunk_bytes: int = 64 << 20) -> dict:
+def _threads() -> int:
+    "Threads for loading: the cores this process may use, at most 4 (each holds one chunk in flight)."
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+def _memory_tight(host_bytes: int, files) -> bool:
+    """Whether `host_bytes` of new host memory and the page cache of `files` cannot both stay in memory, with a tenth of
+    what is available to spare (for the kernel's reserves and the runtime's own memory). Linux; elsewhere False."""
+    try: avail = next(int(l.split()[1]) << 10 for l in open("/proc/meminfo") if l.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError): return False
+    return host_bytes + sum(os.path.getsize(f) for f in files) > 0.9 * avail
+
+def _chunks(tensors, chunk_bytes: int):
+    "Each `(reader, name, module, param, index)` of `tensors` as jobs `(..., first row, end row)` of about `chunk_bytes`."
+    for reader, name, mod, p, index in tensors:
+        shape = reader.shapes[name]
+        step = max(1, chunk_bytes // (math.prod(shape[1:]) * 4))
+        for r0 in range(0, max(shape[0], 1), step): yield reader, name, mod, p, index, r0, min(r0 + step, shape[0])
+
+def assemble(shapes: dict, shardings, tensors, progress: bool = True, chunk_bytes: int = 64 << 20,
+             threads: int | None = None) -> dict:
     """Parameters of `shapes` (laid out by `shardings`; None: one device) from `tensors`, `(reader, name, module, param,
     index)` in reading order: tensor `name` of `reader` is `params[module][param][index]`, read in chunks of rows."""
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -188,11 +226,27 @@ def assemble(shapes: dict, shardings, tensors, progress: bool = True, chunk_byte
     pieces = {mod: {p: [_Piece(dev, tuple(s.indices(n)[:2] for s, n in zip(ix, sd.shape)), sd.dtype)
                         for dev, ix in where[mod][p].addressable_devices_indices_map(sd.shape).items()]
                     for p, sd in ps.items()} for mod, ps in shapes.items()}
-    for reader, name, mod, p, index in tqdm(tensors, desc="loading weights", unit="tensor", disable=not progress):
-        shape = reader.shapes[name]
-        step = max(1, chunk_bytes // (math.prod(shape[1:]) * 4))
-        for r0 in range(0, max(shape[0], 1), step):
-            _place(pieces[mod][p], reader.read(name, slice(r0, min(r0 + step, shape[0]))), r0, index)
+    jobs = list(_chunks(tensors, chunk_bytes))
+    readers = list({id(r): r for r, *_ in tensors}.values())
+    host = sum(math.prod(e - s for s, e in x.bounds) * x.buf.dtype.itemsize for ps in pieces.values() for xs in ps.values()
+               for x in xs if x.host)
+    drop = _memory_tight(host, {r.fn for r in readers})
+    for r in readers:
+        if hasattr(r, "drop_cache"): r.drop_cache = drop
+    def run(job):
+        reader, name, mod, p, index, r0, r1 = job
+        chunk = reader.read(name, slice(r0, r1))
+        _place(pieces[mod][p], chunk, r0, index)
+        return chunk.size * np.dtype(shapes[mod][p].dtype).itemsize
+    total = sum(math.prod(r.shapes[n]) * np.dtype(shapes[m][p].dtype).itemsize for r, n, m, p, _ in tensors)
+    with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, disable=not progress) as bar, \
+         ThreadPoolExecutor(threads or _threads()) as pool:
+        done = [pool.submit(run, job) for job in jobs]
+        try:
+            for f in done: bar.update(f.result())
+        except BaseException:
+            for f in done: f.cancel()
+            raise
     return {mod: {p: jax.make_array_from_single_device_arrays(sd.shape, where[mod][p], [x.array() for x in pieces[mod][p]])
                   for p, sd in ps.items()} for mod, ps in shapes.items()}
 

@@ -61,6 +61,42 @@ def test_bf16_bin_and_safetensors(hf_checkpoint, tmp_path):
         np.testing.assert_array_equal(np.asarray(lm.params["gptj/blocks/mlp/fc_in"]["w"][1], np.float32), ref)
 
 
+def _cached_bytes(fn) -> int:
+    "Bytes of file `fn` in the page cache (util-linux's fincore)."
+    return int(subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(fn)],
+                              capture_output=True, text=True, check=True).stdout.strip() or 0)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+@pytest.mark.parametrize("tight", [True, False])
+def test_checkpoint_pages_dropped_only_when_memory_is_tight(fmt, tight, hf_checkpoint, tmp_path, monkeypatch):
+    """Where the weights and the checkpoint's page cache cannot both stay in memory, the loader drops each chunk's pages
+    once read (the kernel would evict them anyway, slowly); elsewhere the cache stays for the next load. Same weights."""
+    import meshtx.weights as W
+    cfg = ModelConfig(n_layer=2, d_model=256, n_head=4, rotary_dim=8, n_vocab=4096, n_ctx=64)   # 14.7 MB: tensors
+    path, model = hf_checkpoint(cfg)        # of whole pages (the kernel drops whole pages, whole large folios, only)
+    if fmt == "bin": path = _bin_checkpoint(tmp_path / "bin", model)
+    files = W.checkpoint_files(path)
+    os.sync()   # dirty pages cannot be dropped
+    for f in files: f.read_bytes()
+    assert all(_cached_bytes(f) > 0 for f in files)
+    monkeypatch.setattr(W, "_memory_tight", lambda host, fns: tight)
+    lm = LM.from_hf(path, dtype="float32", progress=False)
+    cached = sum(_cached_bytes(f) for f in files)
+    size = sum(f.stat().st_size for f in files)
+    if tight: assert cached < 0.25 * size, (cached, size)   # headers and the pages at tensors' edges stay
+    else: assert cached >= size, (cached, size)
+    ref = model.state_dict()["transformer.h.1.mlp.fc_in.weight"].numpy()
+    np.testing.assert_array_equal(np.asarray(lm.params["gptj/blocks/mlp/fc_in"]["w"][1]), ref)
+
+
+def test_memory_tight_counts_weights_and_files(tmp_path):
+    import meshtx.weights as W
+    f = tmp_path / "f"; f.write_bytes(b"x" * 1000)
+    assert not W._memory_tight(0, [f])
+    assert W._memory_tight(1 << 60, [f])
+
+
 def test_old_checkpoints_with_mask_buffers_load(hf_checkpoint):
     "The original GPT-J export carries attn.bias / attn.masked_bias buffers: they are not weights."
     path, model = hf_checkpoint(CFG)
