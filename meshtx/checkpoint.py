@@ -556,8 +556,9 @@ class _MtjShard:
             self.leaves += [(z, k, p) for k in keys]
 
     def read(self, i: int) -> np.ndarray:
-        z, k, _ = self.leaves[i]
-        a = z[k]
+        z, k, p = self.leaves[i]
+        try: a = z[k]   # np.load without allow_pickle: an object array (pickled Python) is refused, not run
+        except ValueError as e: raise ValueError(f"{p}: array {k!r} cannot be read as numbers ({e})") from None
         return a.view(jnp.bfloat16) if a.dtype == np.dtype("V2") else a
 
 def load_mtj_checkpoint(path, config: ModelConfig, shardings=None, storage_options=None) -> dict:

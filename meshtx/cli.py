@@ -6,12 +6,13 @@ Docs: https://meshtx.github.io/meshtx/cli.html.md"""
 
 # %% ../nbs/12_cli.ipynb #3cc84568
 from __future__ import annotations
-import argparse, importlib.metadata, os, platform, re, signal, socket, sys, threading
+import argparse, importlib.metadata, math, os, platform, re, signal, socket, sys, threading
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['info', 'cmd_info', 'cmd_convert', 'unescape_stop', 'escape_stop', 'cmd_sample', 'cmd_demo', 'cmd_eval',
-           'cmd_prepare_data', 'cmd_train', 'cmd_finetune', 'cmd_plan', 'cmd_serve', 'parser', 'main']
+__all__ = ['EVAL_HELP', 'TRAIN_EXAMPLE', 'info', 'cmd_info', 'cmd_convert', 'unescape_stop', 'escape_stop', 'cmd_sample',
+           'cmd_demo', 'cmd_eval', 'cmd_prepare_data', 'cmd_train', 'cmd_finetune', 'cmd_plan', 'cmd_serve', 'parser',
+           'main']
 
 # %% ../nbs/12_cli.ipynb #65e97fde
 _PKGS = ("meshtx", "jax", "jaxlib", "dm-haiku", "optax", "transformers", "safetensors", "torch")
@@ -142,9 +143,30 @@ def cmd_demo(args) -> int:
     return 0 if r["val_loss_after"] < r["val_loss_before"] else 1
 
 # %% ../nbs/12_cli.ipynb #89c6f9d9
+EVAL_HELP = """usage: meshtx eval --model_args pretrained=MODEL --tasks TASKS [lm_eval's other arguments]
+
+Run lm-evaluation-harness's tasks on a meshtx model (the `meshtx` model is chosen for you). MODEL is a hub id, a Hugging
+Face directory or a meshtx checkpoint. Examples:
+
+  meshtx eval --model_args pretrained=EleutherAI/gpt-j-6b --tasks lambada_openai,hellaswag --batch_size 8
+  meshtx eval --model_args pretrained=./my-model,dtype=float32 --tasks wikitext --limit 100
+  meshtx eval --model_args pretrained=./my-model --tasks my_task --include_path ./tasks   (a local task, offline)
+
+Every other argument is lm_eval's (`meshtx eval --help-lm-eval` lists them). Needs lm-eval: pip install "meshtx[eval]"."""
+
 def cmd_eval(args) -> int:
-    from meshtx.evaluate import main as lm_eval_main
-    lm_eval_main(args.args)
+    from meshtx.evaluate import main as lm_eval_main, HAVE_LM_EVAL
+    rest = list(args.args)
+    if not rest or rest[0] in ("-h", "--help"):
+        print(EVAL_HELP + ("" if HAVE_LM_EVAL else "\n\nlm-eval is not installed here."))
+        return 0
+    if rest[0] == "--help-lm-eval": rest = ["--help"]
+    given = [rest[i + 1] if a == "--model" and i + 1 < len(rest) else a[len("--model="):]
+             for i, a in enumerate(rest) if a == "--model" or a.startswith("--model=")]
+    if any(g != "meshtx" for g in given):
+        raise ValueError(f"--model {given[0]}: meshtx eval runs lm_eval's `meshtx` model; give yours as "
+                         "--model_args pretrained=MODEL")
+    lm_eval_main(rest if given else ["--model", "meshtx", *rest])
     return 0
 
 # %% ../nbs/12_cli.ipynb #6acfcbc6
@@ -200,6 +222,10 @@ def _check_free(host: str, port: int):
 
 def cmd_serve(args) -> int:
     from meshtx.serve import serve
+    if args.model_arg is not None:
+        if args.model or args.preset: raise ValueError(f"give the model once: {args.model_arg!r} or --model/--preset, not both")
+        args.model = args.model_arg
+    if not (args.model or args.preset): raise ValueError("give a model (MODEL, --model) or --preset")
     _check_free(args.host, args.port)
     lm = _load_model(args)
     name = args.model_name or args.preset or str(args.model)
@@ -210,6 +236,20 @@ def cmd_serve(args) -> int:
     return 0
 
 # %% ../nbs/12_cli.ipynb #1ab795d9
+def _number(name: str, ok, what: str, kind=float):
+    "An argparse type: a `kind` number `ok` accepts, refused in `generate`'s words (`invalid top_p=3.0: ...`)."
+    def parse(s: str):
+        try: v = kind(s)
+        except ValueError: raise argparse.ArgumentTypeError(f"invalid {name}={s!r}: not a number") from None
+        if not (math.isfinite(v) and ok(v)): raise argparse.ArgumentTypeError(f"invalid {name}={v!r}: must be {what}")
+        return v
+    return parse
+
+_temperature = _number("temperature", lambda v: v >= 0, "≥ 0 (0: greedy)")
+_top_p = _number("top_p", lambda v: 0 <= v <= 1, "between 0 and 1")
+_penalty = _number("repetition_penalty", lambda v: v > 0, "> 0 (1: none)")
+_top_k = _number("top_k", lambda v: v >= -1, "≥ 0 (0 or -1: off)", int)
+
 def _positive(s: str) -> int:
     "An argparse type: an integer ≥ 1."
     try: v = int(s)
@@ -223,6 +263,17 @@ def _port(s: str) -> int:
     except ValueError: raise argparse.ArgumentTypeError(f"{s!r} is not a port number") from None
     if not 0 <= v <= 65535: raise argparse.ArgumentTypeError(f"port {v} is outside 0-65535")
     return v
+
+TRAIN_EXAMPLE = """example config (mesh-transformer-jax's keys; run.json):
+
+  {"model": "EleutherAI/gpt-j-6b", "lora": 8,
+   "train_set": "data/*.jsonl", "val_fraction": 0.05, "seq": 1024,
+   "per_replica_batch": 8, "gradient_accumulation_steps": 4,
+   "lr": 3e-4, "end_lr": 3e-5, "warmup_steps": 50, "total_steps": 1000,
+   "ckpt_every": 200, "val_every": 100, "model_dir": "runs/my-run"}
+
+or a model from scratch: "layers", "d_model", "n_heads", "n_vocab" (and "seq") instead of "model".
+Run it again to resume from its last checkpoint. Every key: https://meshtx.github.io/meshtx/runs.html"""
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshtx", description="Run, fine-tune and serve GPT-J-class models in JAX.")
@@ -249,10 +300,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default bfloat16 for HF)")
     s.add_argument("--prompt", help="continue this prompt and exit (default: read prompts from stdin)")
     s.add_argument("--max-new-tokens", type=_positive, default=128)
-    s.add_argument("--temperature", type=float, default=0.8)
-    s.add_argument("--top-k", type=int)
-    s.add_argument("--top-p", type=float, default=0.9)
-    s.add_argument("--repetition-penalty", type=float)
+    s.add_argument("--temperature", type=_temperature, default=0.8, help="0: greedy (default 0.8)")
+    s.add_argument("--top-k", type=_top_k, help="sample from the k likeliest tokens (default: off)")
+    s.add_argument("--top-p", type=_top_p, default=0.9, help="nucleus sampling, 0 to 1 (default 0.9)")
+    s.add_argument("--repetition-penalty", type=_penalty, help="> 1 discourages repeats (default: none)")
     s.add_argument("--stop", action="append", help="a stop sequence (repeatable); \\n, \\t, \\r are a newline, tab, carriage "
                    "return and \\\\ a backslash, so --stop '\\n' stops at the end of a line")
     s.add_argument("--seed", type=int, help="sampling seed (default: a fresh one each run, printed to stderr as 'seed: N')")
@@ -276,7 +327,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_prepare_data)
-    s = sub.add_parser("train", help="run or resume a training run from a config (the original's keys)")
+    s = sub.add_parser("train", help="run or resume a training run from a config (the original's keys)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=TRAIN_EXAMPLE)
     s.add_argument("--config", required=True, help="run config JSON (see meshtx.runs)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=cmd_train)
@@ -322,7 +374,8 @@ def parser() -> argparse.ArgumentParser:
                        description="Serve a model over HTTP. Plain requests that arrive together are decoded in one "
                        "batch; streamed requests run one at a time (not batched), so concurrent streaming clients wait "
                        "for each other.")
-    m = s.add_mutually_exclusive_group(required=True)
+    s.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model, as --model gives it (`meshtx serve DIR`)")
+    m = s.add_mutually_exclusive_group()
     m.add_argument("--model", help="hub id, Hugging Face directory or meshtx checkpoint (local or gs://)")
     m.add_argument("--preset", help="a random model of this preset instead (tiny, demo, small, gptj-6b)")
     s.add_argument("--init-seed", type=int, default=0, help="seed of the random --preset model")

@@ -6,14 +6,14 @@ Docs: https://meshtx.github.io/meshtx/config.html.md"""
 
 # %% ../nbs/00_config.ipynb #2df19a0c
 from __future__ import annotations
-import dataclasses, json, os, warnings
+import dataclasses, json, os, sys, warnings
 from dataclasses import dataclass, asdict
 from pathlib import Path
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['DTYPES', 'ATTENTION', 'REMAT_POLICIES', 'CACHE_READS', 'PRESETS', 'MTJ_MODEL_KEYS', 'MTJ_OTHER_KEYS', 'LORA_TARGETS',
-           'ModelConfig', 'LoRAConfig']
+__all__ = ['DTYPES', 'ATTENTION', 'REMAT_POLICIES', 'CACHE_READS', 'LIMITS', 'LIMIT_WHY', 'PRESETS', 'MTJ_MODEL_KEYS',
+           'MTJ_OTHER_KEYS', 'LORA_TARGETS', 'ModelConfig', 'quiet_transformers', 'LoRAConfig']
 
 # %% ../nbs/00_config.ipynb #ca778efc
 DTYPES = ("float32", "bfloat16", "float16")
@@ -52,6 +52,8 @@ class ModelConfig:
         if self.d_ff is None and isinstance(self.d_model, int): object.__setattr__(self, "d_ff", 4 * self.d_model)
         for f in ("n_layer", "d_model", "n_head", "n_vocab", "n_ctx", "rotary_dim", "d_head", "d_ff"):
             _check_positive(f, getattr(self, f))
+            if getattr(self, f) > LIMITS[f]:
+                raise ValueError(f"{f}={getattr(self, f)} is larger than meshtx's limit of {LIMITS[f]:,} ({LIMIT_WHY[f]})")
         if self.rotary_dim % 2:
             raise ValueError(f"rotary_dim={self.rotary_dim} must be even (rotary rotates pairs of features)")
         if self.rotary_dim > self.d_head:
@@ -62,10 +64,21 @@ class ModelConfig:
             v = getattr(self, f)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{f}={v!r} must be a token id (an integer ≥ 0) or None")
+            if v is not None and v >= 2**31:
+                raise ValueError(f"{f}={v} is not a token id: ids are 32-bit (below 2,147,483,648)")
         for f, allowed in (("param_dtype", DTYPES), ("compute_dtype", DTYPES), ("attention", ATTENTION),
                            ("remat_policy", REMAT_POLICIES), ("cache_read", CACHE_READS)):
             if getattr(self, f) not in allowed:
                 raise ValueError(f"{f}={getattr(self, f)!r} is not one of {allowed}")
+
+# far above any real model's (GPT-J-6B: 28 layers, 4096 wide, 50400 ids, 2048 positions), far below what would
+# exhaust memory before an error could say why (a config.json with n_layer 10⁹ is a typo or an attack, not a model)
+LIMITS = dict(n_layer=1024, d_model=131072, n_head=4096, d_head=8192, d_ff=1048576, rotary_dim=8192,
+              n_vocab=2**31 - 1, n_ctx=2**24)
+LIMIT_WHY = dict(n_layer="the deepest real models have about 128", d_model="the widest real models are about 25,000 wide",
+                 n_head="the most heads in real models are about 128", d_head="real heads are 64 to 256 wide",
+                 d_ff="the widest real MLPs are about 100,000 wide", rotary_dim="at most d_head",
+                 n_vocab="token ids are 32-bit integers", n_ctx="16 M positions; real models have at most about 1 M")
 
 def _check_positive(name, value):
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -118,13 +131,28 @@ def end_of_text(self: ModelConfig) -> int:
     return self.eos_token_id if self.eos_token_id is not None else min(50256, self.n_vocab - 1)
 
 # %% ../nbs/00_config.ipynb #a03fba59
+def quiet_transformers():
+    """`transformers`, imported without its "PyTorch was not found" notice: meshtx uses only its configs and tokenizers,
+    which need no torch (Colab's TPU image has none), and in a notebook or Voila the notice shows as a red error box."""
+    if "transformers" not in sys.modules:
+        old = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"   # for this import only
+        try: import transformers  # noqa: F401
+        finally:
+            if old is None: os.environ.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
+            else: os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = old
+    return sys.modules["transformers"]
+
 def _hf_dict(hf) -> dict:
     if isinstance(hf, (str, os.PathLike)):
         p = Path(hf)
         p = p / "config.json" if p.is_dir() else p
         if not p.exists(): raise ValueError(f"no config.json at {p}")
-        try: return json.loads(p.read_text())
-        except json.JSONDecodeError as e: raise ValueError(f"{p} is not valid JSON: {e}") from None
+        try: d = json.loads(p.read_bytes())
+        except (ValueError, RecursionError) as e:   # bad JSON, bad UTF-8, or nesting too deep to parse
+            raise ValueError(f"{p} is not valid JSON ({type(e).__name__}: {str(e)[:200]}): is the file complete?") from None
+        if not isinstance(d, dict): raise ValueError(f"{p} holds a JSON {type(d).__name__}, not an object of settings")
+        return d
     return hf if isinstance(hf, dict) else hf.to_dict()
 
 @patch(cls_method=True)
@@ -156,7 +184,7 @@ def from_hf(cls: ModelConfig, hf, **overrides) -> ModelConfig:
 @patch
 def to_hf(self: ModelConfig):
     "The equivalent `transformers.GPTJConfig`."
-    from transformers import GPTJConfig
+    GPTJConfig = quiet_transformers().GPTJConfig
     if self.d_head * self.n_head != self.d_model:
         raise ValueError(f"d_head={self.d_head} × n_head={self.n_head} != d_model={self.d_model}: "
                          "Hugging Face's GPT-J requires d_head = d_model / n_head")

@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/data.html.md"""
 
 # %% ../nbs/06_data.ipynb #31734123
 from __future__ import annotations
-import bz2, codecs, contextlib, copy, fnmatch, gzip, hashlib, io, json, lzma, os, re, shutil, struct, tempfile, time, uuid, warnings
+import bz2, codecs, contextlib, copy, fnmatch, gzip, hashlib, io, json, lzma, os, re, shutil, stat, struct, tempfile, time, uuid, warnings
 from itertools import chain
 from pathlib import Path
 from typing import Iterator
@@ -57,6 +57,23 @@ def read_index(path, storage_options=None) -> list[str]:
     fs, p = filesystem(path, **(storage_options or {}))
     return [line.strip() for line in fs.cat_file(p).decode().splitlines() if line.strip()]
 
+def _local_find(root: str) -> list[str]:
+    """The regular files under local folder `root`, following symlinked folders (a usual way to assemble a dataset;
+    fsspec lists them as files) but never around a loop. Pipes, sockets and devices are skipped with a warning: reading
+    one would block, or never end."""
+    found, seen = [], set()
+    for d, dirs, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(d)
+        if real in seen: dirs[:] = []; continue   # a link back up the tree
+        seen.add(real)
+        for f in files:
+            p = os.path.join(d, f)
+            try: regular = stat.S_ISREG(os.stat(p).st_mode)
+            except OSError: regular = False   # a dangling link
+            if regular: found.append(p)
+            else: warnings.warn(f"{p}: not a regular file (a pipe, socket, device or dangling link): skipped")
+    return found
+
 def source_files(sources, storage_options=None, exclude=()) -> list[tuple[fsspec.AbstractFileSystem, str]]:
     """Every file named by `sources`: paths, URLs, folders (walked recursively, in sorted order), globs, or `.index`
     files (lists of them, as the original project kept its TFRecords). Hidden files
@@ -72,8 +89,12 @@ def source_files(sources, storage_options=None, exclude=()) -> list[tuple[fsspec
         if str(source).endswith(".index") and fs.isfile(path):   # the original project's list of data files
             files += source_files(read_index(source, storage_options), storage_options, exclude); continue
         if fs.isdir(path):   # an existing name is itself, even with `[` in it ("Books [2019]")
-            found = sorted(p for p in fs.find(path) if not p.endswith("/") and not _hidden(path, p))
-        elif fs.exists(path): found = [path]
+            listed = _local_find(path) if _is_local(fs) else fs.find(path)
+            found = sorted(p for p in listed if not p.endswith("/") and not _hidden(path, p))
+        elif fs.exists(path):
+            if _is_local(fs) and not stat.S_ISREG(os.stat(path).st_mode):
+                raise ValueError(f"{source}: not a regular file (a pipe, socket or device), which meshtx does not read")
+            found = [path]
         elif any(c in path for c in "*?["): found = sorted(p for p in fs.glob(path) if fs.isfile(p) and not _hidden(path, p))
         else: raise FileNotFoundError(f"{source}: no such file or folder")
         if len(found) > 1: found = _without_datasets(fs, found)
@@ -278,8 +299,10 @@ def _text_pieces(f, chunk_bytes: int = 1 << 20, part_chars: int = PART_CHARS, pa
             yield done[:at], False
             done = done[at:]
 
-def _jsonl_texts(f, path: str) -> Iterator[str]:
-    "The `text` field of each line of a JSON-lines stream (blank lines skipped)."
+def _jsonl_texts(f, path: str, counts: dict | None = None) -> Iterator[str]:
+    """The `text` field of each line of a JSON-lines stream (blank lines skipped), with U+FFFD for what is not text:
+    bytes that are not UTF-8 and JSON escapes of lone surrogates (`"\\ud800"`), counted apart in `counts`."""
+    counts = {} if counts is None else counts
     for number, raw in enumerate(f, 1):
         line = raw.decode("utf-8", "surrogateescape")
         if number == 1: line = line.removeprefix("\ufeff")   # a byte-order mark
@@ -291,16 +314,21 @@ def _jsonl_texts(f, path: str) -> Iterator[str]:
         if not isinstance(text, str):
             found = f"text = {text!r}"[:80] if isinstance(record, dict) and "text" in record else "no text field"
             raise ValueError(f'{path}, line {number}: needs a string "text" field ({found})')
+        bad = len(_NOT_UTF8.findall(line))    # before parsing, a surrogate can only be a byte that was not UTF-8
+        text, n = replace_invalid(text)
+        counts["bytes"] = counts.get("bytes", 0) + min(bad, n)
+        counts["escapes"] = counts.get("escapes", 0) + max(0, n - bad)
         yield text
 
 # %% ../nbs/06_data.ipynb #d0dbaecd
 def _file_parts(fs, path: str, stats: dict, part_chars: int = PART_CHARS) -> Iterator[tuple[str, bool]]:
     """(part, document ends here) for the documents of one file, bad bytes replaced; documents of whitespace alone
     are left out. Warns about replacements and about files with no documents."""
-    replaced = n_docs = 0
+    replaced = n_docs = n_empty = 0
+    counts = {}   # a JSON-lines file's replacements, counted by `_jsonl_texts`
     try:
         with fs.open(path, "rb") as raw, _decompressed(raw, path) as f:
-            if file_kind(path) == "jsonl": parts = _record_parts(_jsonl_texts(f, path), part_chars)
+            if jsonl := file_kind(path) == "jsonl": parts = _record_parts(_jsonl_texts(f, path, counts), part_chars)
             else: parts = _text_pieces(f, part_chars=part_chars, path=path)
             held, started = "", False   # whitespace at a document's start waits: the document may be nothing else
             for text, end in parts:
@@ -308,6 +336,7 @@ def _file_parts(fs, path: str, stats: dict, part_chars: int = PART_CHARS) -> Ite
                 replaced += n
                 if not started and not text.strip():
                     held = "" if end else held + text
+                    n_empty += end and jsonl   # a text file's tail after its last separator is no document
                     continue
                 yield held + text, end
                 held, started = "", not end
@@ -315,8 +344,13 @@ def _file_parts(fs, path: str, stats: dict, part_chars: int = PART_CHARS) -> Ite
     except _decompression_errors() as e:
         if not path.lower().endswith(_COMPRESSION): raise
         raise ValueError(f"{path}: corrupt or truncated compressed file ({type(e).__name__}: {e})") from None
+    replaced += counts.get("bytes", 0)
     if replaced: warnings.warn(f"{path}: {replaced} bytes that are not UTF-8 were replaced by U+FFFD")
+    if counts.get("escapes"):
+        warnings.warn(f"{path}: {counts['escapes']} JSON escapes of lone surrogates (such as \"\\ud800\"), which are not "
+                      "text, were replaced by U+FFFD")
     if not n_docs: warnings.warn(f"{path}: empty (no documents), skipped")
+    elif n_empty: warnings.warn(f"{path}: {n_empty} empty documents (nothing but whitespace), skipped")
     stats["n_files"] = stats.get("n_files", 0) + 1
     stats["n_documents"] = stats.get("n_documents", 0) + n_docs
     stats["replaced_bytes"] = stats.get("replaced_bytes", 0) + replaced
@@ -523,22 +557,41 @@ def val_window_indices(n_windows: int, val_fraction: float, seed: int) -> np.nda
 # %% ../nbs/06_data.ipynb #415848ba
 FORMAT, FORMAT_VERSION = "meshtx-tokens", 1
 
+def _finish_publish(fs, root) -> bool:
+    """Complete a publish into `root` that was stopped after both its files were in place under temporary names (so
+    `root` has no `header.json`): the tokens take their name if they have not yet, then the header. True if it did."""
+    if fs.exists(f"{root}/header.json"): return False
+    try: names = {Path(p["name"]).name: p for p in fs.ls(root, detail=True)}
+    except FileNotFoundError: return False
+    headers = [n for n in names if n.startswith(".header.json.") and n.endswith(".tmp")]
+    for h in sorted(headers, key=lambda n: names[n].get("mtime") or names[n].get("updated") or 0, reverse=True):
+        tokens = f".tokens.bin.{h[len('.header.json.'):]}"
+        if tokens in names: fs.mv(f"{root}/{tokens}", f"{root}/tokens.bin")
+        elif "tokens.bin" not in names: continue
+        fs.mv(f"{root}/{h}", f"{root}/header.json")
+        return True
+    return False
+
 def _publish(staging: Path, out, storage_options=None):
-    """Move `tokens.bin`, then `header.json`, from the local `staging` folder to `out`. The tokens go under a temporary
-    name first (the long part, which a full disk or a lost connection may stop), so an earlier dataset in `out` stays
-    whole until they are all there; then its header goes, the tokens take their name, and the new header comes last."""
+    """Move `tokens.bin` and `header.json` from the local `staging` folder to `out`, so that at every moment `out` holds
+    the earlier dataset or the new one, or can be completed to the new one (`_finish_publish`). Both files go under
+    temporary names first (the tokens are the long part, which a full disk or a lost connection may stop), so an
+    earlier dataset stays whole until they are all there; then its header goes, the tokens take their name, and the
+    new header comes last. A publish stopped after the old header went is completed by the next `TokenData.open`."""
     fs, root = filesystem(out, **(storage_options or {}))
+    _finish_publish(fs, root)
     if _is_local(fs):
         fs.makedirs(root, exist_ok=True)
         for old in Path(root).glob(".*.tmp"):   # an earlier publish that was killed between its two steps
             if old.name.startswith((".tokens.bin.", ".header.json.")) and time.time() - old.stat().st_mtime > 3600: old.unlink(missing_ok=True)
-    temporary = {name: f"{root}/.{name}.{uuid.uuid4().hex[:8]}.tmp" for name in ("tokens.bin", "header.json")}
+    tag = uuid.uuid4().hex[:8]   # one tag for both files: `_finish_publish` pairs them by it
+    temporary = {name: f"{root}/.{name}.{tag}.tmp" for name in ("tokens.bin", "header.json")}
     put = (lambda name: shutil.move(staging / name, temporary[name])) if _is_local(fs) else \
           (lambda name: fs.put_file(str(staging / name), temporary[name]))
-    put("tokens.bin")
+    put("tokens.bin"); put("header.json")
     if fs.exists(f"{root}/header.json"): fs.rm(f"{root}/header.json")
     fs.mv(temporary["tokens.bin"], f"{root}/tokens.bin")
-    put("header.json"); fs.mv(temporary["header.json"], f"{root}/header.json")
+    fs.mv(temporary["header.json"], f"{root}/header.json")
 
 def _staging_parent(out, storage_options=None):
     "Where to stage: beside a local `out` (so the final move is a rename), else the system's temporary folder."
@@ -667,6 +720,7 @@ class TokenData:
         fs, root = filesystem(path, **(storage_options or {}))
         try: header = json.loads(fs.cat_file(f"{root}/header.json"))
         except FileNotFoundError:
+            if _finish_publish(fs, root): return cls.open(path, storage_options=storage_options)
             raise FileNotFoundError(f"{path}: no header.json; not a prepared dataset, or its preparation did not finish") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}/header.json is damaged (not JSON: {e}): prepare the data again") from None

@@ -31,7 +31,8 @@ def resolve_checkpoint(path_or_repo_id, revision=None, progress=True) -> Path:
     p = recover_dir(Path(path_or_repo_id).expanduser())   # a save interrupted mid-swap is put back first
     if p.is_dir(): return p
     if p.exists() or str(path_or_repo_id).startswith((".", "/", "~")) or str(path_or_repo_id).count("/") > 1:
-        raise ValueError(f"{str(path_or_repo_id)!r} is not a checkpoint directory")
+        raise ValueError(f"{str(path_or_repo_id)!r} is not a checkpoint directory: " +
+                         ("it is a file" if p.exists() else "it does not exist"))
     from huggingface_hub import snapshot_download
     try:
         d = Path(snapshot_download(str(path_or_repo_id), revision=revision, allow_patterns=_COMMON + ["*.safetensors"]))

@@ -224,11 +224,20 @@ class MemoryPlan:
                 f"mp={m['mp']} ({m['dp'] * m['fsdp'] * m['mp']} devices), batch={self.batch}, seq={self.seq}"
                 + (f", remat={'on' if self.remat else 'off'}" if self.mode != "infer" else ""),
                 f"{'per device':<24}{'GB':>10}{'GiB':>10}"]
-        for k, v in self.bytes.items():
+        counted = "activations" if self.remat or self.mode == "infer" else "activations_no_remat"
+        shared = self.mode != "infer" and self.bytes["updates"] > 0   # updates and activations: one after the other
+        why = {"updates": "  ┐ one after the other, in the same memory:", counted: "  ┘ the larger counts"} if shared else {}
+        order = ["params", "opt_state", "grads", "gathered", "kv_cache", "updates", counted, "total"]   # the pair last
+        for k in order + [k for k in self.bytes if k not in order and k not in ("activations", "activations_no_remat")]:
+            v = self.bytes[k]
             if k == "total": rows.append("-" * 44)
-            rows.append(f"{k:<24}{v / 1e9:>10.2f}{v / GiB:>10.2f}")
-        chips = [self.device] if self.device else list(CHIPS)
-        rows.append("fits: " + ", ".join(f"{c} {'yes' if self.fits(c) else 'no'}" for c in chips))
+            rows.append(f"{k:<24}{v / 1e9:>10.2f}{v / GiB:>10.2f}" + why.get(k, ""))
+        if shared: rows[-1] += f"  (params + opt_state + grads + gathered + kv_cache + max(updates, {counted}))"
+        if self.device:
+            have = CHIPS[self.device]
+            rows.append(f"fits: {self.device} {'yes' if self.fits(self.device) else 'no'} (needs {self.total / 1e9:.2f} GB; "
+                        f"the chip has {have / 1e9:.2f} GB, {have * USABLE / 1e9:.2f} usable)")
+        else: rows.append("fits: " + ", ".join(f"{c} {'yes' if self.fits(c) else 'no'}" for c in CHIPS))
         return "\n".join(rows + [f"note: {n}" for n in self.notes])
 
     _repr_pretty_ = lambda self, p, cycle: p.text(str(self))

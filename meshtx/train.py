@@ -46,7 +46,7 @@ def decay_mask(params: dict) -> dict:
 def make_optimizer(lr=1e-4, end_lr=None, warmup_steps=0, anneal_steps=1, weight_decay=0.1, clip=1.0,
                    b1=0.9, b2=0.999, eps=1e-8, mu_dtype=None, optimizer="adamw") -> optax.GradientTransformation:
     "The original recipe: clip by global norm, then AdamW (or Adafactor) with decoupled decay on matrices only, on `lr_schedule`."
-    schedule = lr_schedule(lr, lr if end_lr is None else end_lr, warmup_steps, anneal_steps)
+    schedule = lr_schedule(lr, lr / 10 if end_lr is None else end_lr, warmup_steps, anneal_steps)   # None: a tenth
     if optimizer == "adamw":
         opt = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask, mu_dtype=mu_dtype)
     elif optimizer == "adafactor":
@@ -122,7 +122,7 @@ class Trainer:
         self.lm, self.val_data, self.loader = lm, val_data, train_data if hasattr(train_data, "state") else None
         self.train_data = iter(train_data)
         anneal = anneal_steps or max(1, (total_steps or 1000) - warmup_steps)
-        self.hparams = dict(lr=lr, end_lr=lr if end_lr is None else end_lr, warmup_steps=warmup_steps, anneal_steps=anneal,
+        self.hparams = dict(lr=lr, end_lr=lr / 10 if end_lr is None else end_lr, warmup_steps=warmup_steps, anneal_steps=anneal,
                             weight_decay=weight_decay, clip=clip, optimizer=optimizer, param_dtype=param_dtype,
                             mu_dtype=mu_dtype, seed=seed, total_steps=total_steps)
         self.schedule = lr_schedule(lr, self.hparams["end_lr"], warmup_steps, anneal)
@@ -250,13 +250,15 @@ def run(self: Trainer, steps: int, eval_every: int | None = None, save_every: in
 
 @patch
 def evaluate(self: Trainer, batches=None) -> float:
-    "Mean loss over the validation batches (each `[B, T+1]` or `[accum, B, T+1]`)."
+    """Mean loss over the validation batches (each `[B, T+1]` or `[accum, B, T+1]`). Before the first step, the
+    validation data's loss is also kept as `val_loss_before`, the first point of `plot`'s validation curve."""
     batches = self.val_data if batches is None else batches
     if batches is None: raise ValueError("no validation data: pass val_data to the Trainer or batches here")
     self._check_model()
     with self.lm.lock:   # not while a step in another thread donates these weights
         losses = [float(self._eval(self.state.params, self._frozen(), self._put(b))) for b in batches]
     if not losses: raise ValueError("no validation batches: the iterable is empty (or an iterator already used up)")
+    if not self.history and batches is self.val_data: self.val_loss_before = float(np.mean(losses))
     return float(np.mean(losses))
 
 @patch
@@ -266,8 +268,9 @@ def sample(self: Trainer, prompt, **kwargs):
     return self.lm.generate(prompt, **kwargs)
 
 @patch
-def plot(self: Trainer, path=None, figure=None):
-    "Loss (and validation loss) and learning rate against step, on `figure` or a new one; saved to `path` if given."
+def plot(self: Trainer, path=None, figure=None, unit: str = "token"):
+    """Loss (and validation loss, from step 0 if `evaluate` ran before training) and learning rate against step, on
+    `figure` or a new one; saved to `path` if given. `unit`: what a token is, for the axis (`"byte"` for byte models)."""
     if figure is None:
         import matplotlib.pyplot as plt
         figure = plt.figure(figsize=(10, 3.5))
@@ -277,8 +280,9 @@ def plot(self: Trainer, path=None, figure=None):
     steps = [h["step"] for h in history]
     ax.plot(steps, [h["loss"] for h in history], label="train loss")
     val = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
+    if getattr(self, "val_loss_before", None) is not None: val = [(0, self.val_loss_before)] + val
     if val: ax.plot(*zip(*val), "o-", label="validation loss")
-    ax.set_xlabel("step"); ax.set_ylabel("loss (nats/token)"); ax.legend()
+    ax.set_xlabel("step"); ax.set_ylabel(f"loss (nats/{unit})"); ax.legend()
     ax2.plot(steps, [h["lr"] for h in history]); ax2.set_xlabel("step"); ax2.set_ylabel("learning rate")
     fig.tight_layout()
     if path is not None:
@@ -349,6 +353,8 @@ def restore(self: Trainer, directory=None, step: int | None = None, weights_only
             self.loader.load_state(meta["data"])
             self.train_data = iter(self.loader)
     self._sync_lm()
+    if step == ck.latest() and jax.process_index() == 0:   # resuming: finish what a run killed while pruning left
+        ck._clean(); ck._apply_keep()
     self._abandoned[ck.directory] = set(later := [s for s in ck.steps() if s > step])
     if later:
         import warnings
@@ -408,7 +414,7 @@ def demo(out_dir="meshtx-demo", max_steps: int = 900, seconds: float = 600, batc
     log(f"{len(t.history)} steps in {elapsed:.0f} s; held-out loss after training: {after:.3f} nats/byte")
     show("samples after training")
     lm.save(out / "checkpoint")
-    t.plot(out / "loss.png")
+    t.plot(out / "loss.png", unit="byte")   # a byte-level model: its tokens are bytes, as the log says
     log(f"checkpoint: {out / 'checkpoint'}   loss curve: {out / 'loss.png'}")
     return {"val_loss_before": before, "val_loss_after": after, "steps": len(t.history), "seconds": elapsed,
             "checkpoint": str(out / "checkpoint"), "plot": str(out / "loss.png")}

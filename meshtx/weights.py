@@ -79,7 +79,8 @@ def _safe_open(fn):
     "`safe_open(fn)`, with a damaged or truncated file reported as a `ValueError` that names it."
     try: return safe_open(fn, framework="numpy")
     except Exception as e:   # safetensors raises its own SafetensorError (and OSError for unreadable files)
-        raise ValueError(f"cannot read {fn}: {e} (is the file complete?)") from None
+        why = str(e) if len(str(e)) <= 300 else str(e)[:300] + f"... ({len(str(e)):,} characters)"   # it may quote the header
+        raise ValueError(f"cannot read {fn}: {why} (is the file complete?)") from None
 
 _ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": ml_dtypes.bfloat16, "I64": "<i8", "I32": "<i4",
               "I16": "<i2", "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
@@ -114,7 +115,11 @@ class _LegacyTorch:
         try: import torch
         except ImportError: raise ValueError(f"{refusal}; or install torch, which can read it") from None
         try: self.sd = torch.load(fn, map_location="cpu", weights_only=True)
-        except Exception as e: raise ValueError(f"cannot read {fn} with torch.load(weights_only=True): {str(e)[:300]}") from None
+        except Exception as e:   # torch's own text advises weights_only=False (running the file's code): not quoted
+            why = re.search(r"WeightsUnpickler error: ([^\n]*)", str(e))
+            why = why[1] if why else (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"cannot read {fn} as tensors (torch.load(weights_only=True), which runs no code from the "
+                             f"file, refused it: {why[:200]}); meshtx does not load files that need code to run") from None
         if not isinstance(self.sd, dict) or not all(isinstance(v, torch.Tensor) for v in self.sd.values()):
             raise ValueError(f"{fn} holds a {type(self.sd).__name__}, not a dict of tensors (a state dict)")
         self.fn, self.shapes = fn, {k: tuple(v.shape) for k, v in self.sd.items()}
@@ -154,7 +159,8 @@ def check_checkpoint(config: ModelConfig, readers: dict, where="checkpoint"):
             problems.append(f"unexpected tensor {name!r} in {Path(readers[name].fn).name}")
     if problems:
         raise ValueError(f"{where} does not match the config (n_layer={config.n_layer}, d_model={config.d_model}, "
-                         f"n_vocab={config.n_vocab}, d_ff={config.d_ff}):\n  " + "\n  ".join(problems))
+                         f"n_vocab={config.n_vocab}, d_ff={config.d_ff}):\n  " + "\n  ".join(problems[:20]) +
+                         (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""))
 
 # %% ../nbs/02_weights.ipynb #3e2d228a
 def _aligned(shape, dtype, align: int = 64) -> np.ndarray:
@@ -210,6 +216,27 @@ def _memory_tight(host_bytes: int, files) -> bool:
     except (OSError, StopIteration, ValueError): return False
     return host_bytes + sum(os.path.getsize(f) for f in files) > 0.9 * avail
 
+def _check_room(shapes: dict, where: dict):
+    """Refuse parameters that cannot fit where they would be assembled (host memory for CPU devices, each accelerator's
+    memory), before anything is allocated: a clear error, not the kernel's OOM killer halfway through a load."""
+    need = {}
+    for mod, ps in shapes.items():
+        for p, sd in ps.items():
+            for dev, ix in where[mod][p].addressable_devices_indices_map(sd.shape).items():
+                n = math.prod(len(range(*s.indices(d))) for s, d in zip(ix, sd.shape)) * np.dtype(sd.dtype).itemsize
+                key = "host memory" if dev.platform == "cpu" else dev
+                need[key] = need.get(key, 0) + n
+    for key, n in need.items():
+        if key == "host memory":
+            try: have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            except (ValueError, OSError, AttributeError): continue
+        else:
+            try: have = (key.memory_stats() or {}).get("bytes_limit")
+            except Exception: have = None   # a backend without memory statistics
+        if have and n > have:
+            raise ValueError(f"the parameters need {n / 1e9:,.1f} GB of {key}, which has {have / 1e9:,.1f} GB: a smaller "
+                             "model, a smaller dtype, or more devices to shard it over (meshtx.plan says what fits)")
+
 def _chunks(tensors, chunk_bytes: int):
     "Each `(reader, name, module, param, index)` of `tensors` as jobs `(..., first row, end row)` of about `chunk_bytes`."
     for reader, name, mod, p, index in tensors:
@@ -223,6 +250,7 @@ def assemble(shapes: dict, shardings, tensors, progress: bool = True, chunk_byte
     index)` in reading order: tensor `name` of `reader` is `params[module][param][index]`, read in chunks of rows."""
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     where = {mod: {p: (shardings[mod][p] if shardings else one) for p in ps} for mod, ps in shapes.items()}
+    _check_room(shapes, where)
     pieces = {mod: {p: [_Piece(dev, tuple(s.indices(n)[:2] for s, n in zip(ix, sd.shape)), sd.dtype)
                         for dev, ix in where[mod][p].addressable_devices_indices_map(sd.shape).items()]
                     for p, sd in ps.items()} for mod, ps in shapes.items()}
@@ -259,9 +287,20 @@ def load_hf_params(path, config: ModelConfig, shardings=None, progress: bool = T
     return assemble(param_shapes(config), shardings, [(readers[n], n, *where) for n, where in order], progress, chunk_bytes)
 
 # %% ../nbs/02_weights.ipynb #5928a764
+def _umask() -> int:
+    "This process's umask (read without changing it where Linux says it; else set and restored)."
+    try: return int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("Umask:")), 8)
+    except (OSError, StopIteration, ValueError):
+        old = os.umask(0o022); os.umask(old); return old
+
 def _writing(fn, write, *args, **kwargs):
-    "Call `write(*args, **kwargs)`, which writes file `fn`: its failure (a full disk) is an `OSError` that names `fn`."
-    try: return write(*args, **kwargs)
+    """Call `write(*args, **kwargs)`, which writes file `fn`: its failure (a full disk) is an `OSError` that names `fn`.
+    The file gets the permissions `open` would give it (safetensors writes `-rw-------`, which another user or a
+    serving container could not read)."""
+    try:
+        out = write(*args, **kwargs)
+        if os.path.isfile(fn): os.chmod(fn, 0o666 & ~_umask())
+        return out
     except OSError as e:
         if e.filename is None and e.errno is not None: raise OSError(e.errno, e.strerror, str(fn)) from None
         raise
@@ -381,10 +420,12 @@ def _write_hf(d: Path, params: dict, config: ModelConfig, dtype=None, max_shard_
         shards[-1].append(name); size += n
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    tensors = iter(tqdm(hf_tensors(params, config, dtype), total=len(hf_tensor_map(config)), desc="saving weights",
-                        unit="tensor", disable=not progress))
-    for keys, name in zip(shards, names):
-        _writing(d / name, save_file, dict(itertools.islice(tensors, len(keys))), d / name, metadata={"format": "pt"})
+    with tqdm(total=len(hf_tensor_map(config)), desc="saving weights", unit="tensor", disable=not progress) as bar:
+        def counted(tensors):   # counted as each is taken (islice never exhausts them: a wrapping bar would stop short)
+            for t in tensors: bar.update(); yield t
+        tensors = counted(hf_tensors(params, config, dtype))
+        for keys, name in zip(shards, names):
+            _writing(d / name, save_file, dict(itertools.islice(tensors, len(keys))), d / name, metadata={"format": "pt"})
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum((d / n).stat().st_size for n in names)},
                  "weight_map": {k: n for keys, n in zip(shards, names) for k in keys}}

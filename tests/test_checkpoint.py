@@ -412,6 +412,18 @@ def test_original_checkpoint_errors(tmp_path):
         load_mtj_checkpoint(tmp_path / "nope", CFG)
 
 
+def test_original_checkpoint_with_an_object_array_names_the_file(tmp_path):
+    "An npz leaf that is pickled Python (an object array) is refused, naming the file and array; nothing is unpickled."
+    rng = np.random.default_rng(0)
+    shards, _ = original_shards(jax.tree.map(np.asarray, init_params(CFG)), 2, rng, jnp.bfloat16)
+    list(write_original(tmp_path / "ckpt", shards, False, rng))
+    with np.load(tmp_path / "ckpt" / "shard_1" / "0.npz") as z: arrays = {k: z[k] for k in z.files}
+    arrays["arr_0"] = np.array([{"not": "numbers"}] * 2, dtype=object)
+    np.savez(tmp_path / "ckpt" / "shard_1" / "0.npz", **arrays)
+    with pytest.raises(ValueError, match=r"shard_1/0\.npz: array 'arr_0' cannot be read as numbers"):
+        load_mtj_checkpoint(tmp_path / "ckpt", CFG)
+
+
 def test_convert_original_checkpoint_to_hf(tmp_path):
     "`meshtx convert step_N/ out --mtj-config run.json` gives a Hugging Face checkpoint with the original's weights."
     import json

@@ -156,3 +156,26 @@ def test_train_an_original_config_into_its_bucket(gcs_bucket, tmp_path):
     assert not (tmp_path / run_dir).exists()                        # nothing went to a local folder of that name
     s = meshtx("sample", "--model", f"{url}/model", "--prompt", "def", "--max-new-tokens", "4", "--seed", "0", "-q")
     assert s.returncode == 0, s.stderr[-2000:]
+
+
+def test_cli_newcomer_fixes(tmp_path):
+    "What got in a new user's way: a missing model named as missing, options refused before any loading, eval's help."
+    r = meshtx("sample", "--model", tmp_path / "missing", "--prompt", "x")
+    assert r.returncode == 2 and "is not a checkpoint directory: it does not exist" in r.stderr, r.stderr
+    r = meshtx("sample", "--model", tmp_path / "missing", "--top-p", "1.5")   # refused by the parser: nothing loads
+    assert r.returncode == 2 and "--top-p: invalid top_p=1.5: must be between 0 and 1" in r.stderr, r.stderr
+    for bad in (("--temperature", "-1"), ("--temperature", "nan"), ("--top-k", "-2"), ("--repetition-penalty", "0")):
+        r = meshtx("sample", "--preset", "demo", *bad)
+        assert r.returncode == 2 and f"argument {bad[0]}" in r.stderr, (bad, r.stderr)
+    r = meshtx("serve", tmp_path / "missing", "--port", "0")            # the model as a positional argument
+    assert r.returncode == 2 and "is not a checkpoint directory: it does not exist" in r.stderr, r.stderr
+    r = meshtx("serve", tmp_path / "a", "--preset", "tiny")
+    assert r.returncode == 2 and "give the model once" in r.stderr
+    r = meshtx("serve")
+    assert r.returncode == 2 and "give a model" in r.stderr
+    r = meshtx("eval", "--help")
+    assert r.returncode == 0 and "meshtx eval --model_args pretrained=" in r.stdout and "--model hf" not in r.stdout
+    r = meshtx("eval", "--model", "hf", "--tasks", "x")
+    assert r.returncode == 2 and "runs lm_eval's `meshtx` model" in r.stderr
+    r = meshtx("train", "--help")
+    assert r.returncode == 0 and "example config" in r.stdout and '"train_set"' in r.stdout

@@ -143,6 +143,43 @@ def test_rewrite_replaces_and_failure_keeps_the_old_dataset(tmp_path):
         TokenData.open(tmp_path / "out")
 
 
+KILLED_PUBLISH = """
+import os, sys, signal
+from meshtx.data import prepare_data
+from meshtx.tokenizer import ByteTokenizer
+src, out, nth = sys.argv[1], sys.argv[2], int(sys.argv[3])
+seen = []
+def hook(ev, args):
+    if ev in ("os.rename", "os.remove", "os.unlink", "shutil.move") and out in " ".join(map(str, args[:2])):
+        seen.append(ev)
+        if len(seen) == nth: os.kill(os.getpid(), signal.SIGKILL)
+sys.addaudithook(hook)
+prepare_data(src, out, ByteTokenizer(), seq=4, progress=False)
+"""
+
+
+def test_publish_killed_at_every_step_leaves_a_dataset(tmp_path):
+    """prepare_data over an earlier dataset, killed (SIGKILL) before each of its file-system steps in the output folder:
+    the folder then opens as the earlier dataset or the new one (an interrupted publish is completed), never neither."""
+    import subprocess, sys
+    (tmp_path / "a.txt").write_text("0123456789")                 # 2 windows
+    (tmp_path / "b.txt").write_text("abcdefghijklmnopqrst")       # 4 windows
+    out = tmp_path / "out"
+    seen, nth = set(), 1
+    while True:
+        prepare_data(tmp_path / "a.txt", out, ByteTokenizer(), seq=4, progress=False)
+        r = subprocess.run([sys.executable, "-c", KILLED_PUBLISH, str(tmp_path / "b.txt"), str(out), str(nth)], timeout=120)
+        n = TokenData.open(out).n()
+        assert n in (2, 4), n
+        seen.add(n)
+        if r.returncode == 0: break
+        assert r.returncode == -9, r.returncode
+        nth += 1
+    assert nth >= 4 and seen == {2, 4}    # several kill points, some before the switch and some after
+    prepare_data(tmp_path / "b.txt", out, ByteTokenizer(), seq=4, progress=False)
+    assert TokenData.open(out).n() == 4
+
+
 # ---------------------------------------------------------------- validation split and loader
 
 @pytest.fixture
@@ -340,3 +377,43 @@ def test_gcs_prepare_open_and_load_like_local(tmp_path, gcs_bucket):
         for x, y, _ in zip(a, b, range(5)): npt.assert_array_equal(x, y)
     with pytest.raises(FileNotFoundError, match="no header.json"):
         TokenData.open(f"{gcs_bucket}/src")
+
+
+def test_symlinked_folders_are_followed_and_loops_are_not(tmp_path):
+    "A dataset assembled from symlinked folders reads through them; a link back up the tree is not walked twice."
+    (tmp_path / "corpus" / "books").mkdir(parents=True)
+    (tmp_path / "corpus" / "books" / "b.txt").write_text("0123456789abcdefghij")
+    src = tmp_path / "src"; src.mkdir()
+    (src / "a.txt").write_text("klmnopqrst")
+    (src / "books").symlink_to(tmp_path / "corpus" / "books", target_is_directory=True)
+    (src / "loop").symlink_to(src, target_is_directory=True)
+    data = prepare_data(src, tmp_path / "out", ByteTokenizer(), seq=4, progress=False)
+    assert data.header["n_documents"] == 2 and data.n() == 6 
+
+
+def test_a_named_pipe_is_skipped_in_a_folder_and_refused_by_name(tmp_path):
+    "Reading a pipe would block forever: inside a folder it is skipped with a warning; named directly, refused."
+    import os, subprocess, sys
+    src = tmp_path / "src"; src.mkdir()
+    (src / "a.txt").write_text("0123456789")
+    os.mkfifo(src / "pipe.txt")
+    code = ("import warnings, sys; from meshtx.data import prepare_data; from meshtx.tokenizer import ByteTokenizer\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always'); d = prepare_data(sys.argv[1], sys.argv[2], ByteTokenizer(), seq=4, progress=False)\n"
+            "print(d.n(), [str(x.message) for x in w if 'pipe' in str(x.message)])")
+    r = subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("2 [") and "pipe.txt: not a regular file" in r.stdout
+    with pytest.raises(ValueError, match="pipe.txt: not a regular file"):
+        prepare_data(src / "pipe.txt", tmp_path / "out2", ByteTokenizer(), seq=4, progress=False)
+
+
+def test_empty_texts_and_surrogate_escapes_are_counted_apart(tmp_path):
+    (tmp_path / "d.jsonl").write_bytes(b'{"text": "0123456789"}\n{"text": ""}\n{"text": "  "}\n'
+                                       b'{"text": "ab\\ud800cd"}\n{"text": "x\xffy"}\n')
+    with pytest.warns(UserWarning) as w:
+        prepare_data(tmp_path / "d.jsonl", tmp_path / "out", ByteTokenizer(), seq=4, progress=False)
+    said = " | ".join(str(x.message) for x in w)
+    assert "2 empty documents (nothing but whitespace), skipped" in said
+    assert "1 JSON escapes of lone surrogates" in said
+    assert "1 bytes that are not UTF-8 were replaced" in said

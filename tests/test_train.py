@@ -212,6 +212,25 @@ def test_trainer_save_restore_and_weights_only(tmp_path):
 
 
 
+def test_resume_prunes_what_a_kill_during_pruning_left(tmp_path, monkeypatch):
+    "A run killed while pruning after its last save holds one checkpoint too many; resuming prunes it (keep=2)."
+    import meshtx.checkpoint as C
+    batch = np.random.default_rng(0).integers(0, 257, (1, 2, 17)).astype(np.int32)
+    def trainer(): return Trainer(LM.init(CFG, seed=2), itertools.repeat(batch), lr=1e-3, checkpoint_dir=tmp_path / "ck",
+                                  keep=2, progress=False)
+    a = trainer()
+    for _ in range(3): a.step(); a.save()
+    assert a._checkpointer().steps() == [2, 3]
+    monkeypatch.setattr(C.Checkpointer, "_apply_keep", lambda self: None)   # the kill: the last save never prunes
+    a.step(); a.save()
+    monkeypatch.undo()
+    assert a._checkpointer().steps() == [2, 3, 4]
+    b = trainer()
+    assert b.restore() == 4 and b._checkpointer().steps() == [3, 4]
+    c = trainer()
+    assert c.restore(step=3) == 3 and c._checkpointer().steps() == [3, 4]    # restoring an earlier step prunes nothing
+
+
 def test_lm_load_reads_a_training_checkpoint(tmp_path):
     "What `meshtx train` or the fine-tune widget saved loads as a model: the folder (its latest step) or one step."
     batch = np.random.RandomState(0).randint(0, 100, (2, 17))

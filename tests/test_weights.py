@@ -274,3 +274,103 @@ def test_save_into_a_full_disk_keeps_the_earlier_save(what, tmp_path, monkeypatc
     assert named.name.startswith("model-00002-of-") if what == "shard" else named.name == "tokenizer.json"
     assert {f.name: f.read_bytes() for f in (tmp_path / "m").iterdir()} == before   # nothing replaced
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]                      # nothing left beside it
+
+
+def test_saved_files_follow_the_umask(tmp_path):
+    "safetensors writes -rw-------; meshtx's saves give every file the mode `open` would (umask 022: -rw-r--r--)."
+    import stat
+    lm = LM.init(CFG, tokenizer=None)
+    old = os.umask(0o022)
+    try:
+        lm.save(tmp_path / "mt"); lm.save_hf(tmp_path / "hf")
+        os.umask(0o027); lm.save(tmp_path / "mt27")
+    finally: os.umask(old)
+    for d, want in (("mt", 0o644), ("hf", 0o644), ("mt27", 0o640)):
+        files = [p for p in (tmp_path / d).iterdir() if p.is_file()]
+        assert any(p.suffix == ".safetensors" for p in files)
+        assert {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {p.name: oct(want) for p in files}
+
+
+def _set_config(path, **changes):
+    d = json.loads((path / "config.json").read_text()); d.update(changes)
+    (path / "config.json").write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("n_layer", 10**9, "n_layer=1000000000 is larger than meshtx's limit of 1,024"),
+    ("n_layer", 10**6, "n_layer=1000000 is larger than meshtx's limit of 1,024"),
+    ("vocab_size", 10**12, "n_vocab=1000000000000 is larger than meshtx's limit of 2,147,483,647"),
+    ("n_positions", 10**9, "n_ctx=1000000000 is larger than meshtx's limit of 16,777,216"),
+    ("eos_token_id", 10**12, "eos_token_id=1000000000000 is not a token id"),
+])
+def test_absurd_config_values_are_named_before_anything_is_allocated(field, value, message, hf_checkpoint):
+    path, _ = hf_checkpoint(CFG)
+    _set_config(path, **{field: value})
+    with pytest.raises(ValueError) as e: LM.from_hf(path, progress=False)
+    assert message in str(e.value) and len(str(e.value)) < 300
+
+
+def test_a_thousand_missing_layers_is_a_short_message(hf_checkpoint):
+    path, _ = hf_checkpoint(CFG)
+    _set_config(path, n_layer=1000)
+    with pytest.raises(ValueError) as e: LM.from_hf(path, progress=False)
+    assert "missing tensor 'transformer.h.2." in str(e.value) and "... and 9960 more" in str(e.value)
+    assert len(str(e.value)) < 3000
+
+
+@pytest.mark.parametrize("text,message", [("[1, 2]", "holds a JSON list, not an object"), ('"gptj"', "holds a JSON str"),
+                                          ("[" * 10**6, "is not valid JSON"), ('{"n_layer": 2, "n_embd"', "is not valid JSON")])
+def test_config_json_that_is_not_an_object_is_named(text, message, hf_checkpoint):
+    path, _ = hf_checkpoint(CFG)
+    (path / "config.json").write_text(text)
+    with pytest.raises(ValueError) as e: LM.from_hf(path, progress=False)
+    assert message in str(e.value) and "config.json" in str(e.value) and len(str(e.value)) < 500
+
+
+def test_parameters_larger_than_memory_are_refused_before_allocating():
+    import jax, jax.numpy as jnp
+    import meshtx.weights as W
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shapes = {"m": {"w": jax.ShapeDtypeStruct((10**7, 10**6), jnp.bfloat16)}}   # 20 TB
+    with pytest.raises(ValueError, match=r"the parameters need 20,000\.0 GB of host memory, which has"):
+        W.assemble(shapes, {"m": {"w": one}}, [], progress=False)
+
+
+def test_a_huge_damaged_safetensors_header_is_not_echoed(tmp_path):
+    "A 5 MB header that is not valid: refused, naming the file, in a message of a few hundred characters."
+    (tmp_path / "config.json").write_text(CFG.to_hf().to_json_string())
+    bad = b'{"a": "' + b"x" * (5 << 20) + b'"'
+    (tmp_path / "model.safetensors").write_bytes(len(bad).to_bytes(8, "little") + bad)
+    with pytest.raises(ValueError) as e: LM.from_hf(tmp_path, progress=False)
+    assert "model.safetensors" in str(e.value) and len(str(e.value)) < 1000
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_truncated_tokenizer_file_is_named(name, tmp_path, hf_checkpoint):
+    from meshtx.tokenizer import load_tokenizer, gpt2_tokenizer
+    path, _ = hf_checkpoint(CFG)
+    gpt2_tokenizer().save_pretrained(path)
+    text = (path / name).read_text()
+    (path / name).write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=f"{name} is not valid JSON .*is the file complete"):
+        load_tokenizer(path)
+
+
+def test_save_hf_progress_bar_ends_at_the_total(tmp_path, capsys):
+    lm = LM.init(CFG, tokenizer=None)
+    lm.save_hf(tmp_path / "hf", max_shard_size="100KB")
+    err = capsys.readouterr().err
+    n = len(json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"])
+    assert f"{n}/{n}" in err and "100%" in err
+
+
+def test_no_pytorch_notice_without_torch():
+    "Without torch (Colab's TPU image), transformers' 'PyTorch was not found' notice is not printed (Voila: a red box)."
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from meshtx import LM\n"
+            "lm = LM.init('demo'); print(lm.tokenizer('hi').input_ids, lm.config.to_hf().n_embd)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "PyTorch was not found" not in r.stderr and "[5303]" in r.stdout
+    import transformers   # the setting was for that import only
+    assert os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS") is None
