@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/weights.html.md"""
 
 # %% ../nbs/02_weights.ipynb #fc0abd5b
 from __future__ import annotations
-import errno, glob, itertools, json, math, os, re, shutil, uuid, warnings
+import errno, glob, itertools, json, math, os, re, shutil, threading, uuid, warnings
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -180,6 +180,7 @@ class _Piece:
     def __init__(self, device, bounds: tuple, dtype):
         self.device, self.bounds, shape = device, bounds, tuple(e - s for s, e in bounds)
         self.host = device.platform == "cpu"
+        self.lock = threading.Lock()   # a device buffer is replaced by each (donating) write: one at a time
         self.buf = _aligned(shape, dtype) if self.host else \
             jax.jit(partial(jnp.zeros, shape, dtype), out_shardings=jax.sharding.SingleDeviceSharding(device))()
     def write(self, at: tuple, piece: np.ndarray, lead: int):
@@ -188,8 +189,9 @@ class _Piece:
             cut = tuple(at[:lead]) + tuple(slice(o, o + n) for o, n in zip(at[lead:], piece.shape))
             np.copyto(self.buf[cut], piece, casting="unsafe")
         else:
-            self.buf = _put(self.buf, piece, at, lead=lead)
-            self.buf.block_until_ready()   # else pieces queue up in host memory faster than they are written
+            with self.lock:
+                self.buf = _put(self.buf, piece, at, lead=lead)
+                self.buf.block_until_ready()   # else pieces queue up in host memory faster than they are written
     def array(self) -> jax.Array: return jax.device_put(self.buf, self.device) if self.host else self.buf
 
 def _place(pieces: list, chunk: np.ndarray, row0: int, index: tuple):
@@ -218,7 +220,8 @@ def _memory_tight(host_bytes: int, files) -> bool:
 
 def _check_room(shapes: dict, where: dict):
     """Refuse parameters that cannot fit where they would be assembled (host memory for CPU devices, each accelerator's
-    memory), before anything is allocated: a clear error, not the kernel's OOM killer halfway through a load."""
+    memory), before anything is allocated: a clear error, not the kernel's OOM killer halfway through a load. Returns
+    the bytes each needs (`{"host memory" or device: bytes}`)."""
     need = {}
     for mod, ps in shapes.items():
         for p, sd in ps.items():
@@ -236,6 +239,7 @@ def _check_room(shapes: dict, where: dict):
         if have and n > have:
             raise ValueError(f"the parameters need {n / 1e9:,.1f} GB of {key}, which has {have / 1e9:,.1f} GB: a smaller "
                              "model, a smaller dtype, or more devices to shard it over (meshtx.plan says what fits)")
+    return need
 
 def _chunks(tensors, chunk_bytes: int):
     "Each `(reader, name, module, param, index)` of `tensors` as jobs `(..., first row, end row)` of about `chunk_bytes`."
@@ -250,15 +254,13 @@ def assemble(shapes: dict, shardings, tensors, progress: bool = True, chunk_byte
     index)` in reading order: tensor `name` of `reader` is `params[module][param][index]`, read in chunks of rows."""
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     where = {mod: {p: (shardings[mod][p] if shardings else one) for p in ps} for mod, ps in shapes.items()}
-    _check_room(shapes, where)
+    need = _check_room(shapes, where)
     pieces = {mod: {p: [_Piece(dev, tuple(s.indices(n)[:2] for s, n in zip(ix, sd.shape)), sd.dtype)
                         for dev, ix in where[mod][p].addressable_devices_indices_map(sd.shape).items()]
                     for p, sd in ps.items()} for mod, ps in shapes.items()}
     jobs = list(_chunks(tensors, chunk_bytes))
     readers = list({id(r): r for r, *_ in tensors}.values())
-    host = sum(math.prod(e - s for s, e in x.bounds) * x.buf.dtype.itemsize for ps in pieces.values() for xs in ps.values()
-               for x in xs if x.host)
-    drop = _memory_tight(host, {r.fn for r in readers})
+    drop = _memory_tight(need.get("host memory", 0), {r.fn for r in readers})
     for r in readers:
         if hasattr(r, "drop_cache"): r.drop_cache = drop
     def run(job):

@@ -374,3 +374,20 @@ def test_no_pytorch_notice_without_torch():
     assert "PyTorch was not found" not in r.stderr and "[5303]" in r.stdout
     import transformers   # the setting was for that import only
     assert os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS") is None
+
+
+def test_device_pieces_are_written_one_chunk_at_a_time(hf_checkpoint, monkeypatch):
+    "On an accelerator each write replaces a donated buffer: chunks of one piece, read by several threads, go in in turn."
+    import jax.numpy as jnp
+    import meshtx.weights as W
+    path, _ = hf_checkpoint(CFG)
+    want = W.load_hf_params(path, CFG, progress=False)
+    init = W._Piece.__init__
+    def on_device(self, device, bounds, dtype):   # the accelerator path (`_put`), on this CPU
+        init(self, device, bounds, dtype)
+        self.host, self.buf = False, jnp.zeros(self.buf.shape, dtype)
+    monkeypatch.setattr(W._Piece, "__init__", on_device)
+    monkeypatch.setattr(W, "_threads", lambda: 4)
+    got = W.load_hf_params(path, CFG, progress=False, chunk_bytes=1000)   # a few rows per chunk: many per piece
+    for mod, ps in want.items():
+        for p, x in ps.items(): np.testing.assert_array_equal(np.asarray(got[mod][p]), np.asarray(x), err_msg=f"{mod}/{p}")
