@@ -155,6 +155,8 @@ Face directory or a meshtx checkpoint. Examples:
 Every other argument is lm_eval's (`meshtx eval --help-lm-eval` lists them). Needs lm-eval: pip install "meshtx[eval]"."""
 
 def cmd_eval(args) -> int:
+    from meshtx.config import quiet_transformers
+    quiet_transformers()   # lm-eval imports transformers: without its "PyTorch was not found" notice
     from meshtx.evaluate import main as lm_eval_main, HAVE_LM_EVAL
     rest = list(args.args)
     if not rest or rest[0] in ("-h", "--help"):
@@ -407,7 +409,6 @@ def _join_job():
 def main(argv=None) -> int:
     "Entry point of the `meshtx` console script."
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")   # no "PyTorch was not found" notice: torch is optional
     if argv[:1] == ["eval"]:   # everything after `eval` belongs to lm-eval, options included
         args = argparse.Namespace(func=cmd_eval, args=argv[1:])
     else: args = parser().parse_args(argv)
