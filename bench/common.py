@@ -10,11 +10,8 @@ from pathlib import Path
 # JAX and PyTorch share the accelerator in every benchmark: JAX must not grab 75 % of its memory up front
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-PRESETS = {   # model shapes: tiny for CI smoke runs, small for CPU ratios, gptj-6b on an accelerator
-    "tiny": dict(n_layer=2, d_model=128, n_head=4, rotary_dim=16, n_vocab=1024, n_ctx=512),
-    "small": dict(n_layer=6, d_model=512, n_head=8, rotary_dim=32, n_vocab=50400, n_ctx=1024),
-    "gptj-6b": dict(n_layer=28, d_model=4096, n_head=16, rotary_dim=64, n_vocab=50400, n_ctx=2048),
-}
+from meshtx.config import PRESETS   # the model shapes, by the names meshtx uses everywhere: tiny for CI smoke runs,
+                                    # small for CPU ratios (8 blocks of 512), gptj-6b on an accelerator
 # peak dense bf16 FLOP/s and HBM bandwidth (bytes/s) from the vendors' data sheets, by jax device_kind prefix
 CHIP_LIMITS = {"NVIDIA H200": (989e12, 4.8e12), "NVIDIA H100": (989e12, 3.35e12), "NVIDIA A100": (312e12, 2.0e12),
                "TPU v5 lite": (197e12, 0.819e12), "TPU v5e": (197e12, 0.819e12), "TPU v4": (275e12, 1.2e12),

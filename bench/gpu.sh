@@ -13,7 +13,8 @@ if ls ../.whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 OUT="${OUT:-/tmp/meshtx-bench}"; mkdir -p "$OUT"
-PRESET="${PRESET:-gptj-6b}" SEQ="${SEQ:-2048}"   # PRESET=tiny SEQ=64 checks the script itself on a CPU
+PRESET="${PRESET:-gptj-6b}" SEQ="${SEQ:-2048}" PROMPT="${PROMPT:-128}" NEW="${NEW:-256}"
+# PRESET=tiny SEQ=64 PROMPT=16 NEW=32 checks the script itself on a CPU (tiny's n_ctx is 128)
 LOG="$OUT/gpu.log" JSON="$OUT/gpu.jsonl"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$LOG"
 python3 -c 'import json, common; print(json.dumps(common.environment()))' 2>&1 | tee -a "$LOG"
@@ -22,7 +23,7 @@ step() {  # step SECONDS SCRIPT ARGS...
   echo "## $(date +%T) $* (limit ${limit}s)" | tee -a "$LOG"
   timeout "$limit" python3 "$@" --preset "$PRESET" --json "$JSON" 2>&1 | grep -v -E '^(W|I)[0-9]{4} ' | tee -a "$LOG"
 }
-step 140 decode.py --repeats 1 --profile --compare-cache-reads
+step 140 decode.py --repeats 1 --profile --compare-cache-reads --prompt "$PROMPT" --new "$NEW"
 step 70  prefill.py --batch 4 --seq "$SEQ" --repeats 2
 step 50  prefill.py --batch 4 --seq "$SEQ" --repeats 2 --attention cudnn --no-hf
 step 110 train.py --batch 4 --seq "$SEQ" --checkpointing --repeats 2
@@ -34,6 +35,6 @@ step 90  compile.py
 # dynamic-slice fusion, which lets the matmuls read the slices in place (off by default in XLA until at least mid-2026).
 if sed -n '/decode.py/,/prefill.py/p' "$LOG" | grep -qi 'dynamic.slice'; then
   echo "(the decode profile shows dynamic-slice kernels: again with --xla_gpu_enable_dynamic_slice_fusion=true)" | tee -a "$LOG"
-  ( export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true"; step 60 decode.py --repeats 1 --no-hf --batch 1 )
+  ( export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_dynamic_slice_fusion=true"; step 60 decode.py --repeats 1 --no-hf --batch 1 --prompt "$PROMPT" --new "$NEW" )
 fi
 echo "## $(date +%T) done" | tee -a "$LOG"

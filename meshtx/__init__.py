@@ -7,13 +7,13 @@ from meshtx.tokenizer import EOT, gpt2_tokenizer, load_tokenizer
 from meshtx.lm import LM, enable_compilation_cache
 from meshtx.sharding import make_mesh, plan, param_shardings, shard_params
 from meshtx import distributed
-from meshtx.sampling import Generation   # also adds LM.generate
+from meshtx.sampling import Generation
 from meshtx.config import LoRAConfig
 from meshtx.data import prepare_data, TokenData, Loader
 from meshtx.checkpoint import Checkpointer
 from meshtx import lora                  # adds LM.add_lora, merge_lora, save_adapters, load_adapters
 from meshtx.train import Trainer, make_optimizer, lr_schedule, demo
-from meshtx.runs import train, finetune
+from meshtx.runs import finetune        # whole runs from a config: meshtx.runs.train (meshtx.train is the module)
 from meshtx.evaluate import perplexity
 ```"""
 
@@ -34,11 +34,11 @@ from .tokenizer import EOT, gpt2_tokenizer, load_tokenizer
 from .lm import LM, enable_compilation_cache
 from .sharding import make_mesh, plan, param_shardings, shard_params
 from . import distributed
-from .sampling import Generation   # also adds LM.generate
+from .sampling import Generation
 from .config import LoRAConfig
 from .data import prepare_data, TokenData, Loader
 from .checkpoint import Checkpointer
 from . import lora                  # adds LM.add_lora, merge_lora, save_adapters, load_adapters
 from .train import Trainer, make_optimizer, lr_schedule, demo
-from .runs import train, finetune
+from .runs import finetune        # whole runs from a config: meshtx.runs.train (meshtx.train is the module)
 from .evaluate import perplexity

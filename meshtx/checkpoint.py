@@ -12,15 +12,15 @@ from contextlib import ExitStack
 from typing import NamedTuple
 import numpy as np
 import jax, jax.numpy as jnp
-from fsspec.implementations.local import LocalFileSystem
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey, FlattenedIndexKey
 from fastcore.basics import patch
 from .config import ModelConfig
 from .model import param_shapes
-from .data import filesystem, check_bucket
+from .storage import filesystem, is_local, url_of, check_bucket, fsync, write_atomic, read_json
 
 # %% auto #0
-__all__ = ['MARKER', 'MANIFEST', 'METADATA', 'tree_paths', 'check_keep', 'Checkpointer', 'load_mtj_checkpoint']
+__all__ = ['MARKER', 'MANIFEST', 'METADATA', 'tree_paths', 'check_keep', 'Checkpointer', 'mtj_param_names', 'MtjShard',
+           'load_mtj_checkpoint']
 
 # %% ../nbs/07_checkpoint.ipynb #5c5d6b0b
 def _key_str(k) -> str:
@@ -46,31 +46,10 @@ def tree_paths(tree) -> dict:
     return {"/".join(parts): leaf for parts, leaf in _flatten(tree)[0]}
 
 # %% ../nbs/07_checkpoint.ipynb #b7762d83
-def _filesystem(url_or_path, **storage_options):
-    "`(fs, path)` for a local path or an fsspec URL, without a trailing slash."
-    fs, path = filesystem(url_or_path, **storage_options)
-    return fs, path.rstrip("/") or path
-
-def _fsync(f):
-    "Flush a local file to disk (a power cut after the rename must not leave empty files)."
-    try:
-        f.flush(); os.fsync(f.fileno())
-    except (AttributeError, OSError, ValueError): pass
-
-def _write_bytes(fs, path: str, data: bytes):
-    "Write a small file (a manifest, the metadata, the commit marker)."
-    with fs.open(path, "wb") as f:
-        f.write(data)
-        if isinstance(fs, LocalFileSystem): _fsync(f)
-
-def _read_json(fs, path: str, what: str) -> dict:
-    try: raw = fs.cat_file(path)
-    except FileNotFoundError: raise ValueError(f"{what}: {path} is missing") from None
-    try:
-        d = json.loads(raw)
-        if not isinstance(d, dict): raise ValueError("not a JSON object")
-        return d
-    except ValueError as e: raise ValueError(f"{what}: {path} is corrupted ({e})") from None
+def _json_of(fs, path: str, where: str) -> dict:
+    "The JSON object in checkpoint file `path` (`read_json`); a missing one is a `ValueError` too: the checkpoint is damaged."
+    try: return read_json(path, fs, what=where)
+    except FileNotFoundError as e: raise ValueError(str(e)) from None
 
 # %% ../nbs/07_checkpoint.ipynb #acd4f5ee
 _ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
@@ -94,8 +73,7 @@ def _read_st_header(fs, path: str) -> tuple[dict, int]:
         if n > 100 << 20: raise ValueError(f"header length {n} is implausible")
         return json.loads(fs.cat_file(path, 8, 8 + n)), 8 + n
     except FileNotFoundError:
-        shown = path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)   # gs://bucket/..., not bucket/...
-        raise ValueError(f"checkpoint file {shown} is missing") from None
+        raise ValueError(f"checkpoint file {url_of(fs, path)} is missing") from None   # gs://bucket/..., not bucket/...
     except (struct.error, ValueError) as e: raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
 
 def _write_chunk_file(fs, path: str, pieces: list, fetch) -> dict:
@@ -108,7 +86,7 @@ def _write_chunk_file(fs, path: str, pieces: list, fetch) -> dict:
             for p in pieces:
                 data = np.ascontiguousarray(fetch(p)).reshape(-1).view(np.uint8).data
                 f.write(data); crcs[p.key] = zlib.crc32(data)
-            if isinstance(fs, LocalFileSystem): _fsync(f)
+            if is_local(fs): fsync(f)
     except OSError as e:   # a full disk, a lost connection: name the file, and give its space back
         with contextlib.suppress(OSError): fs.rm(path)
         raise OSError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
@@ -144,6 +122,7 @@ def _leaf(name: str, x):
     if isinstance(x, float): return "float", np.asarray(x, np.float64), {}
     raise TypeError(f"leaf {name!r} is a {type(x).__name__}; checkpoints hold arrays and int/float/bool scalars")
 
+# %% ../nbs/07_checkpoint.ipynb #35fd49de
 def _plan(flat, process: int, file_bytes: int) -> tuple[dict, list]:
     "`(tensors for the manifest, this process's chunks)` of a flattened tree."
     tensors, pieces = {}, []
@@ -176,6 +155,7 @@ def _plan(flat, process: int, file_bytes: int) -> tuple[dict, list]:
                 pieces.append(_Piece(name, key, dtype, sub_shape, itemsize * math.prod(sub_shape), sub, source, rows))
     return tensors, pieces
 
+# %% ../nbs/07_checkpoint.ipynb #58f8cf9e
 def _files(pieces: list, file_bytes: int) -> list[list]:
     "Group consecutive chunks into files of at most `file_bytes` (a bigger chunk gets a file of its own)."
     files, size = [], 0
@@ -218,6 +198,7 @@ def check_keep(keep: int | None, keep_every: int | None):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name}={v!r} must be a positive integer or None")
 
+# %% ../nbs/07_checkpoint.ipynb #38ffe132
 class Checkpointer:
     "Sharded, atomic checkpoints of pytrees in `directory` (a local path or an fsspec URL such as gs://bucket/run)."
     file_bytes = 1 << 30   # the largest data file a process writes (bigger shards are cut into row blocks)
@@ -225,13 +206,13 @@ class Checkpointer:
     def __init__(self, directory, keep: int | None = 3, keep_every: int | None = None, storage_options=None):
         check_keep(keep, keep_every)
         self.directory, self.keep, self.keep_every = str(directory), keep, keep_every
-        self.fs, self.root = _filesystem(directory, **(storage_options or {}))
-        self.local = isinstance(self.fs, LocalFileSystem)
+        self.fs, self.root = filesystem(directory, **(storage_options or {}))
+        self.local = is_local(self.fs)
 
     def __repr__(self): return f"Checkpointer({self.directory!r}, keep={self.keep}, keep_every={self.keep_every})"
 
     def _dir(self, step: int) -> str: return f"{self.root}/step_{step:08d}"
-    def _url(self, path: str) -> str: return path if self.local else self.fs.unstrip_protocol(path)
+    def _url(self, path: str) -> str: return url_of(self.fs, path)
 
     def _listing(self) -> list[str]:
         "Every file at most two levels below the directory, relative to it (fresh: no cached listing)."
@@ -268,7 +249,7 @@ class Checkpointer:
         return self._metadata(self._resolve(step))
 
     def _metadata(self, step: int) -> dict:
-        return _read_json(self.fs, f"{self._dir(step)}/{METADATA}", f"checkpoint step {step} in {self.directory}")
+        return _json_of(self.fs, f"{self._dir(step)}/{METADATA}", f"checkpoint step {step} in {self.directory}")
 
     def tensors(self, step: int | None = None) -> dict:
         "`{name: {'keys', 'shape', 'dtype', ...}}` of checkpoint `step`'s tensors (default: the latest), from its manifest."
@@ -308,6 +289,7 @@ def _apply_keep(self: Checkpointer):
     steps = self.steps()
     for s in set(steps) - self._kept(steps): self._delete(s)
 
+# %% ../nbs/07_checkpoint.ipynb #deeb0f58
 @patch
 def save(self: Checkpointer, step: int, tree, metadata: dict | None = None) -> str:
     "Save `tree` as checkpoint `step` (every process calls this); returns the checkpoint's path."
@@ -336,21 +318,17 @@ def save(self: Checkpointer, step: int, tree, metadata: dict | None = None) -> s
         chunks += [{"tensor": p.tensor, "file": fname, "key": p.key, "box": [list(b) for b in p.box], "crc32": crcs[p.key]}
                    for p in group]
     fetch.last = (None, None)
-    _write_bytes(self.fs, f"{work}/process_{pid:05d}.json", json.dumps({"process": pid, "chunks": chunks}).encode())
+    write_atomic(f"{work}/process_{pid:05d}.json", json.dumps({"process": pid, "chunks": chunks}).encode(), self.fs)
     _sync(f"meshtx-checkpoint-{step}-written")
     if pid == 0:
         manifest = {"format": _FORMAT, "version": 1, "step": step, "processes": nproc, "time": time.time(),
                     "jax": jax.__version__, "tensors": tensors}
-        _write_bytes(self.fs, f"{work}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
-        _write_bytes(self.fs, f"{work}/{METADATA}", meta)
-        _write_bytes(self.fs, f"{work}/{MARKER}", f"step {step}\n".encode())   # last: now it is complete
+        write_atomic(f"{work}/{MANIFEST}", json.dumps(manifest, indent=1).encode(), self.fs)
+        write_atomic(f"{work}/{METADATA}", meta, self.fs)
+        write_atomic(f"{work}/{MARKER}", f"step {step}\n".encode(), self.fs)   # last: now it is complete
         if self.local:
             os.rename(work, final)
-            try:
-                fd = os.open(self.root, os.O_RDONLY)
-                try: os.fsync(fd)
-                finally: os.close(fd)
-            except OSError: pass
+            fsync(self.root)   # the rename, on disk
     _sync(f"meshtx-checkpoint-{step}-committed")
     if pid == 0: self._apply_keep()
     return self._url(final)
@@ -360,12 +338,12 @@ class _Reader:
     "Reads regions of the tensors of one checkpoint by byte range."
     def __init__(self, fs, path: str, where: str):
         self.fs, self.path, self.where, self.headers = fs, path, where, {}
-        m = _read_json(fs, f"{path}/{MANIFEST}", where)
+        m = _json_of(fs, f"{path}/{MANIFEST}", where)
         if m.get("format") != _FORMAT or not isinstance(m.get("tensors"), dict) or not isinstance(m.get("processes"), int):
             raise ValueError(f"{where}: {path}/{MANIFEST} is corrupted (not a {_FORMAT} manifest)")
         self.tensors, self.chunks = m["tensors"], {name: [] for name in m["tensors"]}
         for i in range(m["processes"]):
-            pj = _read_json(fs, f"{path}/process_{i:05d}.json", where)
+            pj = _json_of(fs, f"{path}/process_{i:05d}.json", where)
             try:
                 for c in pj["chunks"]: self.chunks[c["tensor"]].append(c)
             except (KeyError, TypeError) as e:
@@ -389,60 +367,66 @@ class _Reader:
         if file not in self.headers: self.headers[file] = _read_st_header(self.fs, f"{self.path}/{file}")
         return self.headers[file]
 
-    def region(self, name: str, bounds: tuple) -> np.ndarray:
-        "The box `bounds` `((start, stop), ...)` of tensor `name`, read from the chunks it overlaps."
-        info = self.tensors[name]
-        dtype = jnp.dtype(info["dtype"])
-        out = np.empty(tuple(b - a for a, b in bounds), dtype)
-        for c in self.chunks[name]:
-            box = c["box"]
-            ov = [(max(a, ca), min(b, cb)) for (a, b), (ca, cb) in zip(bounds, box)]
-            if any(lo >= hi for lo, hi in ov): continue
-            header, data0 = self._header(c["file"])
-            cshape = [cb - ca for ca, cb in box]
-            entry = header.get(c["key"])
-            if entry is None or entry.get("shape") != cshape or entry.get("dtype") != _ST_DTYPES[info["dtype"]]:
-                raise ValueError(f"{self.where}: chunk {c['key']!r} in {c['file']} does not match the manifest")
-            start = data0 + entry["data_offsets"][0]
-            if cshape:   # read only the rows of the chunk that overlap
-                row = dtype.itemsize * math.prod(cshape[1:])
-                r0, r1 = ov[0][0] - box[0][0], ov[0][1] - box[0][0]
-                b0, b1, shape = start + r0 * row, start + r1 * row, [r1 - r0] + cshape[1:]
-                src = (slice(None),) + tuple(slice(a - ca, b - ca) for (a, b), (ca, _) in zip(ov[1:], box[1:]))
-            else:
-                b0, b1, shape, src = start, start + dtype.itemsize, [], ()
-            raw = self.fs.cat_file(f"{self.path}/{c['file']}", b0, b1) if b1 > b0 else b""
-            if len(raw) != b1 - b0: raise ValueError(f"{self.where}: {self.path}/{c['file']} is truncated")
-            whole = b0 == start and b1 == start + dtype.itemsize * math.prod(cshape)   # a part cannot be checked
-            if whole and "crc32" in c and zlib.crc32(raw) != c["crc32"]:   # (checkpoints before checksums have none)
-                raise ValueError(f"{self.where}: chunk {c['key']!r} in {self.path}/{c['file']} is damaged: its bytes do "
-                                 "not match the CRC-32 written with them")
-            piece = np.frombuffer(raw, dtype).reshape(shape)
-            out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(ov, bounds))] = piece[src]
-        return out
+# %% ../nbs/07_checkpoint.ipynb #5a0f5a24
+@patch
+def region(self: _Reader, name: str, bounds: tuple) -> np.ndarray:
+    "The box `bounds` `((start, stop), ...)` of tensor `name`, read from the chunks it overlaps."
+    info = self.tensors[name]
+    dtype = jnp.dtype(info["dtype"])
+    out = np.empty(tuple(b - a for a, b in bounds), dtype)
+    for c in self.chunks[name]:
+        box = c["box"]
+        ov = [(max(a, ca), min(b, cb)) for (a, b), (ca, cb) in zip(bounds, box)]
+        if any(lo >= hi for lo, hi in ov): continue
+        header, data0 = self._header(c["file"])
+        cshape = [cb - ca for ca, cb in box]
+        entry = header.get(c["key"])
+        if entry is None or entry.get("shape") != cshape or entry.get("dtype") != _ST_DTYPES[info["dtype"]]:
+            raise ValueError(f"{self.where}: chunk {c['key']!r} in {c['file']} does not match the manifest")
+        start = data0 + entry["data_offsets"][0]
+        if cshape:   # read only the rows of the chunk that overlap
+            row = dtype.itemsize * math.prod(cshape[1:])
+            r0, r1 = ov[0][0] - box[0][0], ov[0][1] - box[0][0]
+            b0, b1, shape = start + r0 * row, start + r1 * row, [r1 - r0] + cshape[1:]
+            src = (slice(None),) + tuple(slice(a - ca, b - ca) for (a, b), (ca, _) in zip(ov[1:], box[1:]))
+        else:
+            b0, b1, shape, src = start, start + dtype.itemsize, [], ()
+        raw = self.fs.cat_file(f"{self.path}/{c['file']}", b0, b1) if b1 > b0 else b""
+        if len(raw) != b1 - b0: raise ValueError(f"{self.where}: {self.path}/{c['file']} is truncated")
+        whole = b0 == start and b1 == start + dtype.itemsize * math.prod(cshape)   # a part cannot be checked
+        if whole and "crc32" in c and zlib.crc32(raw) != c["crc32"]:   # (checkpoints before checksums have none)
+            raise ValueError(f"{self.where}: chunk {c['key']!r} in {self.path}/{c['file']} is damaged: its bytes do "
+                             "not match the CRC-32 written with them")
+        piece = np.frombuffer(raw, dtype).reshape(shape)
+        out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(ov, bounds))] = piece[src]
+    return out
 
-    def host(self, name: str):
-        "The whole tensor on the host, as the kind of value it was saved from."
-        info = self.tensors[name]
-        arr = self.region(name, tuple((0, n) for n in info["shape"]))
-        kind = info["kind"]
-        if kind in ("int", "float", "bool"): return arr.item()
-        if kind == "npscalar": return arr[()]
-        if kind == "key": return jax.random.wrap_key_data(arr, impl=info["impl"])
-        return arr
+# %% ../nbs/07_checkpoint.ipynb #ac2ea71c
+@patch
+def host(self: _Reader, name: str):
+    "The whole tensor on the host, as the kind of value it was saved from."
+    info = self.tensors[name]
+    arr = self.region(name, tuple((0, n) for n in info["shape"]))
+    kind = info["kind"]
+    if kind in ("int", "float", "bool"): return arr.item()
+    if kind == "npscalar": return arr[()]
+    if kind == "key": return jax.random.wrap_key_data(arr, impl=info["impl"])
+    return arr
 
-    def device(self, name: str, sharding) -> jax.Array:
-        "The tensor as a `jax.Array` laid out by `sharding`, each device's piece read separately."
-        info = self.tensors[name]
-        shape = tuple(info["shape"])
-        if info["kind"] == "key": return jax.device_put(self.host(name), sharding)
-        cache = {}   # devices holding the same piece (replicas) read it once
-        def piece(index):
-            b = _bounds(index, shape)
-            if b not in cache: cache[b] = self.region(name, b)
-            return cache[b]
-        return jax.make_array_from_callback(shape, sharding, piece)
+@patch
+def device(self: _Reader, name: str, sharding) -> jax.Array:
+    "The tensor as a `jax.Array` laid out by `sharding`, each device's piece read separately."
+    info = self.tensors[name]
+    shape = tuple(info["shape"])
+    if info["kind"] == "key": return jax.device_put(self.host(name), sharding)
+    cache = {}   # devices holding the same piece (replicas) read it once
+    def piece(index):
+        b = _bounds(index, shape)
+        if b not in cache: cache[b] = self.region(name, b)
+        return cache[b]
+    return jax.make_array_from_callback(shape, sharding, piece)
 
+# %% ../nbs/07_checkpoint.ipynb #3f412c4c
 def _problem(reader: _Reader, name: str, leaf) -> str | None:
     "Why `leaf` of the target cannot receive tensor `name`, or None."
     if name not in reader.tensors: return f"tensor {name!r} is not in the checkpoint"
@@ -470,6 +454,7 @@ def _restore_leaf(reader: _Reader, name: str, leaf):
     sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return reader.device(name, sharding)
 
+# %% ../nbs/07_checkpoint.ipynb #882132d7
 @patch
 def restore(self: Checkpointer, step: int | None = None, target=None):
     "`(tree, metadata)` of checkpoint `step` (default: the latest), laid out like `target` (see above)."
@@ -511,7 +496,7 @@ _MTJ = "causal_transformer_shard/~/"
 _MTJ_LAYER = {"linear": ("w",), "linear_1": ("w",), "linear_2": ("w",), "linear_3": ("w",),
               "linear_4": ("b", "w"), "linear_5": ("b", "w"), "replicated_layer_norm": ("offset", "scale")}
 
-def _mtj_param_names(n_layer: int) -> list[str]:
+def mtj_param_names(n_layer: int) -> list[str]:
     "The original's parameter leaves in jax's flatten order, as 'module/param'."
     mods = {f"{_MTJ}embedding_shard/~/linear": ("b", "w"),
             f"{_MTJ}projection_shard/~/linear": ("b", "w"),
@@ -539,7 +524,8 @@ def _mtj_shard_shapes(config: ModelConfig, S: int) -> dict:
         out.update({f"{_MTJ}layer_{i}/~/{k}": v for k, v in layer.items()})
     return out
 
-class _MtjShard:
+# %% ../nbs/07_checkpoint.ipynb #d09b105a
+class MtjShard:
     "The leaves of one `shard_s/` directory, in order, read lazily from its npz files."
     def __init__(self, fs, path: str, stack: ExitStack):
         self.path = path
@@ -561,9 +547,10 @@ class _MtjShard:
         except ValueError as e: raise ValueError(f"{p}: array {k!r} cannot be read as numbers ({e})") from None
         return a.view(jnp.bfloat16) if a.dtype == np.dtype("V2") else a
 
+# %% ../nbs/07_checkpoint.ipynb #ba82365a
 def load_mtj_checkpoint(path, config: ModelConfig, shardings=None, storage_options=None) -> dict:
     "meshtx params from an original mesh-transformer-jax V1 checkpoint `step_N/` (slim or full), checked against `config`."
-    fs, root = _filesystem(path, **(storage_options or {}))
+    fs, root = filesystem(path, **(storage_options or {}))
     try: entries = fs.ls(root, detail=False)
     except FileNotFoundError: raise ValueError(f"checkpoint directory {path} does not exist") from None
     found = sorted(int(m[1]) for p in entries if (m := re.fullmatch(r"shard_(\d+)", p.rstrip("/").rsplit("/", 1)[-1])))
@@ -571,11 +558,11 @@ def load_mtj_checkpoint(path, config: ModelConfig, shardings=None, storage_optio
     if found != list(range(len(found))):
         raise ValueError(f"{path}: shard directories are not numbered 0..{len(found) - 1}: {found}")
     S, L = len(found), config.n_layer
-    names = _mtj_param_names(L)
+    names = mtj_param_names(L)
     want = _mtj_shard_shapes(config, S)
     n_params = len(names)
     with ExitStack() as stack:
-        shards = [_MtjShard(fs, f"{root}/shard_{s}", stack) for s in range(S)]
+        shards = [MtjShard(fs, f"{root}/shard_{s}", stack) for s in range(S)]
         counts = {len(sh.leaves) for sh in shards}
         if len(counts) != 1: raise ValueError(f"{path}: the shards hold different numbers of leaves: {sorted(counts)}")
         n = counts.pop()

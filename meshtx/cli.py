@@ -6,21 +6,52 @@ Docs: https://meshtx.github.io/meshtx/cli.html.md"""
 
 # %% ../nbs/12_cli.ipynb #3cc84568
 from __future__ import annotations
-import argparse, importlib.metadata, math, os, platform, re, signal, socket, sys, threading
+import argparse, importlib.metadata, math, os, platform, signal, socket, sys, threading
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['EVAL_HELP', 'TRAIN_EXAMPLE', 'info', 'cmd_info', 'cmd_convert', 'unescape_stop', 'escape_stop', 'cmd_sample',
-           'cmd_demo', 'cmd_eval', 'cmd_prepare_data', 'cmd_train', 'cmd_finetune', 'cmd_plan', 'cmd_serve', 'parser',
-           'main']
+__all__ = ['EVAL_HELP', 'TRAIN_EXAMPLE', 'info', 'cmd_info', 'cmd_convert', 'cmd_sample', 'cmd_demo', 'cmd_eval',
+           'cmd_prepare_data', 'cmd_train', 'cmd_finetune', 'cmd_plan', 'cmd_serve', 'parser', 'main']
 
-# %% ../nbs/12_cli.ipynb #65e97fde
+# %% ../nbs/12_cli.ipynb #ab19e820
+def _number(name: str, ok, what: str, kind=float):
+    "An argparse type: a `kind` number `ok` accepts, refused in `generate`'s words (`invalid top_p=3.0: ...`)."
+    def parse(s: str):
+        try: v = kind(s)
+        except ValueError: raise argparse.ArgumentTypeError(f"invalid {name}={s!r}: not a number") from None
+        if not (math.isfinite(v) and ok(v)): raise argparse.ArgumentTypeError(f"invalid {name}={v!r}: must be {what}")
+        return v
+    return parse
+
+_temperature = _number("temperature", lambda v: v >= 0, "≥ 0 (0: greedy)")
+_top_p = _number("top_p", lambda v: 0 <= v <= 1, "between 0 and 1")
+_penalty = _number("repetition_penalty", lambda v: v > 0, "> 0 (1: none)")
+_top_k = _number("top_k", lambda v: v >= -1, "≥ 0 (0 or -1: off)", int)
+
+# %% ../nbs/12_cli.ipynb #c2518282
+def _positive(s: str) -> int:
+    "An argparse type: an integer ≥ 1."
+    try: v = int(s)
+    except ValueError: raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 1: raise argparse.ArgumentTypeError(f"{v} must be at least 1")
+    return v
+
+# %% ../nbs/12_cli.ipynb #632f8eb3
+def _port(s: str) -> int:
+    "An argparse type: a TCP port, 0-65535 (0: any free port)."
+    try: v = int(s)
+    except ValueError: raise argparse.ArgumentTypeError(f"{s!r} is not a port number") from None
+    if not 0 <= v <= 65535: raise argparse.ArgumentTypeError(f"port {v} is outside 0-65535")
+    return v
+
+# %% ../nbs/12_cli.ipynb #68eaa036
 _PKGS = ("meshtx", "jax", "jaxlib", "dm-haiku", "optax", "transformers", "safetensors", "torch")
 
 def _version(pkg):
     try: return importlib.metadata.version(pkg)
     except importlib.metadata.PackageNotFoundError: return "not installed"
 
+# %% ../nbs/12_cli.ipynb #84317e2b
 def info() -> dict:
     "Backend, devices, package versions and the compilation cache directory, as a dict."
     import jax
@@ -31,31 +62,40 @@ def info() -> dict:
             **{f"version.{p}": _version(p) for p in _PKGS},
             "compilation_cache": jax.config.jax_compilation_cache_dir or "off"}
 
+# %% ../nbs/12_cli.ipynb #b269fb73
 def cmd_info(args) -> int:
     for k, v in info().items(): print(f"{k:<22} {v}")
     return 0
 
-# %% ../nbs/12_cli.ipynb #06f48244
+def _add_info(sub):
+    "Add `meshtx info` to `sub`: no options."
+    s = sub.add_parser("info", help="backend, devices, versions, compilation cache")
+    s.set_defaults(func=cmd_info)
+
+# %% ../nbs/12_cli.ipynb #61a4622c
 def _stored_dtype(path) -> str:
     "The dtype a Hugging Face checkpoint's config.json says its weights are in (float32 if it names none we keep)."
-    import json
-    c = json.loads((Path(path) / "config.json").read_text())
+    from meshtx.storage import read_json
+    c = read_json(Path(path) / "config.json")
     dt = c.get("dtype") or c.get("torch_dtype")
     return dt if dt in ("float32", "bfloat16", "float16") else "float32"
 
+# %% ../nbs/12_cli.ipynb #c9cfc4f2
 def _mtj_stored_dtype(path, config) -> str:
     "The dtype an original `step_N/` checkpoint stores its weights in: bfloat16 (or float16) if slim, float32 if full."
     from contextlib import ExitStack
-    from meshtx.checkpoint import _MtjShard, _mtj_param_names, _filesystem
+    from meshtx.checkpoint import MtjShard, mtj_param_names
+    from meshtx.storage import filesystem
     try:
-        fs, root = _filesystem(path)
+        fs, root = filesystem(path)
         with ExitStack() as stack:
-            shard = _MtjShard(fs, f"{root}/shard_0", stack)
-            n = len(_mtj_param_names(config.n_layer))   # slim: params, step; full: 2n + 2 optimizer leaves first
+            shard = MtjShard(fs, f"{root}/shard_0", stack)
+            n = len(mtj_param_names(config.n_layer))   # slim: params, step; full: 2n + 2 optimizer leaves first
             dt = str(shard.read(0 if len(shard.leaves) == n + 1 else 2 * n + 2).dtype)
     except Exception: return "float32"   # not readable as one: load_mtj_checkpoint says why
     return dt if dt in ("float32", "bfloat16", "float16") else "float32"
 
+# %% ../nbs/12_cli.ipynb #9a7556d8
 def cmd_convert(args) -> int:
     from meshtx.lm import LM, resolve_checkpoint
     from meshtx.weights import is_meshtx_checkpoint
@@ -79,53 +119,58 @@ def cmd_convert(args) -> int:
     print(f"wrote {'Hugging Face' if to == 'hf' else 'meshtx'} checkpoint to {args.dst} ({lm.config.param_dtype})")
     return 0
 
-# %% ../nbs/12_cli.ipynb #c93b5e1d
+# %% ../nbs/12_cli.ipynb #250b7161
+def _add_convert(sub):
+    "Add `meshtx convert` to `sub`: source, destination, and what to convert to."
+    s = sub.add_parser("convert", help="Hugging Face directory <-> meshtx checkpoint")
+    s.add_argument("src", help="source: a Hugging Face directory / hub id, or a meshtx checkpoint")
+    s.add_argument("dst", help="destination directory (or gs:// URL)")
+    s.add_argument("--to", choices=["hf", "meshtx"], help="target format (default: the other one)")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast parameters (default: keep)")
+    s.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard when writing HF (e.g. 2GB)")
+    s.add_argument("--mtj-config", help="the source is an original mesh-transformer-jax step_N/ checkpoint of this config")
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    s.set_defaults(func=cmd_convert)
+
+# %% ../nbs/12_cli.ipynb #411bbeb3
 def _load_model(args):
     from meshtx.lm import LM
     if args.preset: return LM.init(args.preset, seed=args.init_seed)
     if not args.model: raise ValueError("give --model (hub id, HF directory or meshtx checkpoint) or --preset")
     return LM.load(args.model, dtype=args.dtype, progress=not args.quiet)
 
-_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+# %% ../nbs/12_cli.ipynb #34c2210a
+from .sampling import escape_stop, unescape_stop   # the stop sequences of `generate`, typed on one line
 
-def unescape_stop(text: str) -> str:
-    "A stop sequence as typed on one line: `\\n`, `\\t`, `\\r` become a newline, tab, carriage return, `\\\\` a backslash."
-    return re.sub(r"\\([ntr\\])", lambda m: _ESCAPES[m[1]], text)
-
-def escape_stop(text: str) -> str:
-    "The inverse of `unescape_stop`: a stop sequence written on one line (for a text box)."
-    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")
-
+# %% ../nbs/12_cli.ipynb #7d528cd8
 def _dropped(lm, prompt: str, max_new_tokens: int) -> int:
     "How many tokens `generate(..., truncate='left')` cuts from the start of `prompt`."
     room = lm.config.n_ctx - max_new_tokens
     return max(0, len(lm.tokenizer(prompt).input_ids) - room) if room > 0 else 0
 
-def cmd_sample(args) -> int:
-    import meshtx.sampling  # noqa: F401  (adds LM.generate)
+# %% ../nbs/12_cli.ipynb #60cc10f6
+def _fresh_seed(quiet: bool = False) -> int:
+    "A new sampling seed, said on standard error (`seed: N`, unless `quiet`) so that the run can be had again with --seed."
     import secrets
-    lm = _load_model(args)
-    if lm.tokenizer is None:
-        raise ValueError(f"preset {args.preset!r} has no tokenizer, and `meshtx sample` reads text: use --preset demo, or a model "
-                         "saved with its tokenizer" if args.preset else
-                         "this model has no tokenizer, and `meshtx sample` reads text: save the model with its tokenizer")
-    seed = args.seed
-    if seed is None:   # a fresh seed each run, said so that a good sample can be had again with --seed
-        seed = secrets.randbelow(2**31)
-        if not args.quiet: print(f"seed: {seed}", file=sys.stderr, flush=True)
-    opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                repetition_penalty=args.repetition_penalty, stop=[unescape_stop(s) for s in args.stop] if args.stop else None,
-                seed=seed, truncate="left")
-    def run(prompt):
-        pieces = lm.generate(prompt, stream=True, **opts)   # checks the prompt and the options before anything prints
-        if n := _dropped(lm, prompt, args.max_new_tokens):
-            print(f"meshtx: warning: the prompt is {n} tokens too long for n_ctx={lm.config.n_ctx} with "
-                  f"--max-new-tokens {args.max_new_tokens}: its first {n} tokens were dropped", file=sys.stderr, flush=True)
-        if not args.quiet: print(prompt, end="", flush=True)
-        try:
-            for _, piece in pieces: print(piece, end="", flush=True)
-        finally: print(flush=True)
-    if args.prompt is not None: run(args.prompt); return 0
+    seed = secrets.randbelow(2**31)
+    if not quiet: print(f"seed: {seed}", file=sys.stderr, flush=True)
+    return seed
+
+# %% ../nbs/12_cli.ipynb #b4d9d144
+def _sample_one(lm, prompt: str, opts: dict, quiet: bool = False):
+    "Stream `lm.generate(prompt, **opts)` after the prompt (not if `quiet`), warning on standard error if the prompt was cut."
+    pieces = lm.generate(prompt, stream=True, **opts)   # checks the prompt and the options before anything prints
+    if n := _dropped(lm, prompt, opts["max_new_tokens"]):
+        print(f"meshtx: warning: the prompt is {n} tokens too long for n_ctx={lm.config.n_ctx} with "
+              f"--max-new-tokens {opts['max_new_tokens']}: its first {n} tokens were dropped", file=sys.stderr, flush=True)
+    if not quiet: print(prompt, end="", flush=True)
+    try:
+        for _, piece in pieces: print(piece, end="", flush=True)
+    finally: print(flush=True)
+
+# %% ../nbs/12_cli.ipynb #f46bc4c7
+def _read_prompts(run) -> int:
+    "Call `run` on each non-blank line of standard input until it ends; at a terminal, after a `prompt> `."
     interactive = sys.stdin.isatty()
     while True:
         if interactive: print("prompt> ", end="", flush=True)
@@ -136,13 +181,58 @@ def cmd_sample(args) -> int:
         except KeyboardInterrupt:   # at a terminal, Ctrl-C stops this generation; another one at the prompt quits
             if not interactive: raise
 
-# %% ../nbs/12_cli.ipynb #99d0744e
+# %% ../nbs/12_cli.ipynb #0df7948e
+def cmd_sample(args) -> int:
+    lm = _load_model(args)
+    if lm.tokenizer is None:
+        raise ValueError(f"preset {args.preset!r} has no tokenizer, and `meshtx sample` reads text: use --preset demo, or a model "
+                         "saved with its tokenizer" if args.preset else
+                         "this model has no tokenizer, and `meshtx sample` reads text: save the model with its tokenizer")
+    seed = _fresh_seed(args.quiet) if args.seed is None else args.seed   # a fresh seed each run, unless --seed
+    opts = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                repetition_penalty=args.repetition_penalty, stop=[unescape_stop(s) for s in args.stop] if args.stop else None,
+                seed=seed, truncate="left")
+    run = lambda prompt: _sample_one(lm, prompt, opts, quiet=args.quiet)
+    if args.prompt is not None: run(args.prompt); return 0
+    return _read_prompts(run)
+
+# %% ../nbs/12_cli.ipynb #72a51ac2
+def _add_sample(sub):
+    "Add `meshtx sample` to `sub`: the model, the prompt, and `generate`'s options, each checked as it is parsed."
+    s = sub.add_parser("sample", help="generate text, streamed to the terminal")
+    s.add_argument("--model", help="hub id, Hugging Face directory or meshtx checkpoint (local or gs://)")
+    s.add_argument("--preset", help="a random model of this preset instead (demo, small, gptj-6b: those with GPT-2's tokenizer)")
+    s.add_argument("--init-seed", type=int, default=0, help="seed of the random --preset model")
+    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default bfloat16 for HF)")
+    s.add_argument("--prompt", help="continue this prompt and exit (default: read prompts from stdin)")
+    s.add_argument("--max-new-tokens", type=_positive, default=128)
+    s.add_argument("--temperature", type=_temperature, default=0.8, help="0: greedy (default 0.8)")
+    s.add_argument("--top-k", type=_top_k, help="sample from the k likeliest tokens (default: off)")
+    s.add_argument("--top-p", type=_top_p, default=0.9, help="nucleus sampling, 0 to 1 (default 0.9)")
+    s.add_argument("--repetition-penalty", type=_penalty, help="> 1 discourages repeats (default: none)")
+    s.add_argument("--stop", action="append", help="a stop sequence (repeatable); \\n, \\t, \\r are a newline, tab, carriage "
+                   "return and \\\\ a backslash, so --stop '\\n' stops at the end of a line")
+    s.add_argument("--seed", type=int, help="sampling seed (default: a fresh one each run, printed to stderr as 'seed: N')")
+    s.add_argument("-q", "--quiet", action="store_true", help="print only the generated text (no prompt echo, no seed)")
+    s.set_defaults(func=cmd_sample)
+
+# %% ../nbs/12_cli.ipynb #b9aa37e3
 def cmd_demo(args) -> int:
     from meshtx.train import demo
     r = demo(args.out, max_steps=args.steps, seconds=args.seconds, seed=args.seed, progress=not args.quiet)
     return 0 if r["val_loss_after"] < r["val_loss_before"] else 1
 
-# %% ../nbs/12_cli.ipynb #89c6f9d9
+def _add_demo(sub):
+    "Add `meshtx demo` to `sub`: where it writes, how long it trains."
+    s = sub.add_parser("demo", help="train a small GPT-J from scratch, offline, in a few minutes")
+    s.add_argument("--out", default="meshtx-demo", help="where the checkpoint and loss.png go")
+    s.add_argument("--steps", type=_positive, default=900, help="training steps (default 900: ~2.5 min on 2 CPU cores)")
+    s.add_argument("--seconds", type=float, default=600, help="stop earlier if training takes longer than this")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(func=cmd_demo)
+
+# %% ../nbs/12_cli.ipynb #701c95f4
 EVAL_HELP = """usage: meshtx eval --model_args pretrained=MODEL --tasks TASKS [lm_eval's other arguments]
 
 Run lm-evaluation-harness's tasks on a meshtx model (the `meshtx` model is chosen for you). MODEL is a hub id, a Hugging
@@ -154,6 +244,7 @@ Face directory or a meshtx checkpoint. Examples:
 
 Every other argument is lm_eval's (`meshtx eval --help-lm-eval` lists them). Needs lm-eval: pip install "meshtx[eval]"."""
 
+# %% ../nbs/12_cli.ipynb #9820bcbf
 def cmd_eval(args) -> int:
     from meshtx.config import quiet_transformers
     quiet_transformers()   # lm-eval imports transformers: without its "PyTorch was not found" notice
@@ -171,7 +262,15 @@ def cmd_eval(args) -> int:
     lm_eval_main(rest if given else ["--model", "meshtx", *rest])
     return 0
 
-# %% ../nbs/12_cli.ipynb #6acfcbc6
+# %% ../nbs/12_cli.ipynb #752ae620
+def _add_eval(sub):
+    "Add `meshtx eval` to `sub`, for `meshtx --help` to list: `main` hands what follows `eval` to `cmd_eval` unparsed."
+    s = sub.add_parser("eval", help="lm-evaluation-harness with the meshtx model (arguments as for lm_eval)",
+                       add_help=False)
+    s.add_argument("args", nargs=argparse.REMAINDER)
+    s.set_defaults(func=cmd_eval)
+
+# %% ../nbs/12_cli.ipynb #e71a8fe8
 def cmd_prepare_data(args) -> int:
     from meshtx.data import prepare_data
     data = prepare_data(args.sources, args.out, args.tokenizer, args.seq, val_fraction=args.val_fraction, seed=args.seed,
@@ -182,90 +281,20 @@ def cmd_prepare_data(args) -> int:
           + (f"; {h['replaced_bytes']} invalid UTF-8 bytes replaced" if h["replaced_bytes"] else ""))
     return 0
 
-def cmd_train(args) -> int:
-    from meshtx.runs import train
-    t = train(args.config, progress=not args.quiet)
-    return 0 if t.history else 1
+# %% ../nbs/12_cli.ipynb #e5278e27
+def _add_prepare_data(sub):
+    "Add `meshtx prepare-data` to `sub`: the files to read, the tokenizer, the windows' length."
+    s = sub.add_parser("prepare-data", help="text/jsonl/TFRecord files -> a packed token dataset")
+    s.add_argument("sources", nargs="+", help="files, folders, globs or gs:// URLs (.txt, .jsonl, .gz, .zst, .bz2, .xz, .tfrecords)")
+    s.add_argument("--out", required=True, help="output directory (local or gs://)")
+    s.add_argument("--tokenizer", default="gpt2", help="'gpt2' (offline), 'bytes', a hub id or a directory (default gpt2)")
+    s.add_argument("--seq", type=_positive, default=2048, help="tokens per training sequence (windows hold seq + 1; default 2048)")
+    s.add_argument("--val-fraction", type=float, default=0.0, help="fraction of windows held out for validation (default 0)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    s.set_defaults(func=cmd_prepare_data)
 
-def _lora_config(args):
-    "The `LoRAConfig` that `finetune --lora` asks for: what it does not say is `LoRAConfig`'s default, as in Python."
-    if args.lora is None: return None
-    from meshtx.config import LoRAConfig
-    return LoRAConfig(rank=args.lora, **({} if args.lora_alpha is None else {"alpha": args.lora_alpha}),
-                      **({"targets": tuple(args.lora_targets.split(","))} if args.lora_targets else {}))
-
-def cmd_finetune(args) -> int:
-    from meshtx.runs import finetune
-    lora = _lora_config(args)
-    r = finetune(args.model, args.data, args.out, lora=lora, steps=args.steps, batch=args.batch, seq=args.seq,
-                 accum=args.accum, lr=args.lr, val_fraction=args.val_fraction, seed=args.seed, dtype=args.dtype,
-                 remat=not args.no_remat, save_every=args.save_every, progress=not args.quiet)
-    return 0 if r["steps"] else 1
-
-# %% ../nbs/12_cli.ipynb #7c89fac6
-def cmd_plan(args) -> int:
-    from meshtx.config import ModelConfig
-    from meshtx.sharding import plan
-    config = ModelConfig.from_hf(args.hf_config) if args.hf_config else ModelConfig.preset(args.preset)
-    p = plan(config, args.devices, mode=args.mode, batch=args.batch, seq=args.seq, device=args.device,
-             param_dtype=args.param_dtype, opt_dtype=args.opt_dtype, lora_rank=args.lora_rank,
-             remat=not args.no_remat, dp=args.dp, fsdp=args.fsdp, mp=args.mp)
-    print(p)
-    return 0
-
-# %% ../nbs/12_cli.ipynb #bfb88d46
-def _check_free(host: str, port: int):
-    "Raise a clear error now if `host:port` cannot be bound, rather than after loading a model."
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-    except OSError as e: raise ValueError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
-
-def cmd_serve(args) -> int:
-    from meshtx.serve import serve
-    if args.model_arg is not None:
-        if args.model or args.preset: raise ValueError(f"give the model once: {args.model_arg!r} or --model/--preset, not both")
-        args.model = args.model_arg
-    if not (args.model or args.preset): raise ValueError("give a model (MODEL, --model) or --preset")
-    _check_free(args.host, args.port)
-    lm = _load_model(args)
-    name = args.model_name or args.preset or str(args.model)
-    serve(lm, host=args.host, port=args.port, log_level="warning" if args.quiet else "info", model_name=name,
-          announce=f"meshtx: serving {name}: {lm}",   # once bound, with the real port (--port 0), also with -q
-          max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms, max_queue=args.max_queue,
-          cors_origins=args.cors_origin or ())
-    return 0
-
-# %% ../nbs/12_cli.ipynb #1ab795d9
-def _number(name: str, ok, what: str, kind=float):
-    "An argparse type: a `kind` number `ok` accepts, refused in `generate`'s words (`invalid top_p=3.0: ...`)."
-    def parse(s: str):
-        try: v = kind(s)
-        except ValueError: raise argparse.ArgumentTypeError(f"invalid {name}={s!r}: not a number") from None
-        if not (math.isfinite(v) and ok(v)): raise argparse.ArgumentTypeError(f"invalid {name}={v!r}: must be {what}")
-        return v
-    return parse
-
-_temperature = _number("temperature", lambda v: v >= 0, "≥ 0 (0: greedy)")
-_top_p = _number("top_p", lambda v: 0 <= v <= 1, "between 0 and 1")
-_penalty = _number("repetition_penalty", lambda v: v > 0, "> 0 (1: none)")
-_top_k = _number("top_k", lambda v: v >= -1, "≥ 0 (0 or -1: off)", int)
-
-def _positive(s: str) -> int:
-    "An argparse type: an integer ≥ 1."
-    try: v = int(s)
-    except ValueError: raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v < 1: raise argparse.ArgumentTypeError(f"{v} must be at least 1")
-    return v
-
-def _port(s: str) -> int:
-    "An argparse type: a TCP port, 0-65535 (0: any free port)."
-    try: v = int(s)
-    except ValueError: raise argparse.ArgumentTypeError(f"{s!r} is not a port number") from None
-    if not 0 <= v <= 65535: raise argparse.ArgumentTypeError(f"port {v} is outside 0-65535")
-    return v
-
+# %% ../nbs/12_cli.ipynb #be9a6841
 TRAIN_EXAMPLE = """example config (mesh-transformer-jax's keys; run.json):
 
   {"model": "EleutherAI/gpt-j-6b", "lora": 8,
@@ -277,63 +306,40 @@ TRAIN_EXAMPLE = """example config (mesh-transformer-jax's keys; run.json):
 or a model from scratch: "layers", "d_model", "n_heads", "n_vocab" (and "seq") instead of "model".
 Run it again to resume from its last checkpoint. Every key: https://meshtx.github.io/meshtx/runs.html"""
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshtx", description="Run, fine-tune and serve GPT-J-class models in JAX.")
-    from meshtx import __version__
-    p.add_argument("--version", action="version", version=f"meshtx {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    s = sub.add_parser("info", help="backend, devices, versions, compilation cache")
-    s.set_defaults(func=cmd_info)
-    s = sub.add_parser("eval", help="lm-evaluation-harness with the meshtx model (arguments as for lm_eval)",
-                       add_help=False)
-    s.add_argument("args", nargs=argparse.REMAINDER)
-    s.set_defaults(func=cmd_eval)
-    s = sub.add_parser("demo", help="train a small GPT-J from scratch, offline, in a few minutes")
-    s.add_argument("--out", default="meshtx-demo", help="where the checkpoint and loss.png go")
-    s.add_argument("--steps", type=_positive, default=900, help="training steps (default 900: ~2.5 min on 2 CPU cores)")
-    s.add_argument("--seconds", type=float, default=600, help="stop earlier if training takes longer than this")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    s.set_defaults(func=cmd_demo)
-    s = sub.add_parser("sample", help="generate text, streamed to the terminal")
-    s.add_argument("--model", help="hub id, Hugging Face directory or meshtx checkpoint (local or gs://)")
-    s.add_argument("--preset", help="a random model of this preset instead (demo, small, gptj-6b: those with GPT-2's tokenizer)")
-    s.add_argument("--init-seed", type=int, default=0, help="seed of the random --preset model")
-    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default bfloat16 for HF)")
-    s.add_argument("--prompt", help="continue this prompt and exit (default: read prompts from stdin)")
-    s.add_argument("--max-new-tokens", type=_positive, default=128)
-    s.add_argument("--temperature", type=_temperature, default=0.8, help="0: greedy (default 0.8)")
-    s.add_argument("--top-k", type=_top_k, help="sample from the k likeliest tokens (default: off)")
-    s.add_argument("--top-p", type=_top_p, default=0.9, help="nucleus sampling, 0 to 1 (default 0.9)")
-    s.add_argument("--repetition-penalty", type=_penalty, help="> 1 discourages repeats (default: none)")
-    s.add_argument("--stop", action="append", help="a stop sequence (repeatable); \\n, \\t, \\r are a newline, tab, carriage "
-                   "return and \\\\ a backslash, so --stop '\\n' stops at the end of a line")
-    s.add_argument("--seed", type=int, help="sampling seed (default: a fresh one each run, printed to stderr as 'seed: N')")
-    s.add_argument("-q", "--quiet", action="store_true", help="print only the generated text (no prompt echo, no seed)")
-    s.set_defaults(func=cmd_sample)
-    s = sub.add_parser("convert", help="Hugging Face directory <-> meshtx checkpoint")
-    s.add_argument("src", help="source: a Hugging Face directory / hub id, or a meshtx checkpoint")
-    s.add_argument("dst", help="destination directory (or gs:// URL)")
-    s.add_argument("--to", choices=["hf", "meshtx"], help="target format (default: the other one)")
-    s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast parameters (default: keep)")
-    s.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard when writing HF (e.g. 2GB)")
-    s.add_argument("--mtj-config", help="the source is an original mesh-transformer-jax step_N/ checkpoint of this config")
-    s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
-    s.set_defaults(func=cmd_convert)
-    s = sub.add_parser("prepare-data", help="text/jsonl/TFRecord files -> a packed token dataset")
-    s.add_argument("sources", nargs="+", help="files, folders, globs or gs:// URLs (.txt, .jsonl, .gz, .zst, .bz2, .xz, .tfrecords)")
-    s.add_argument("--out", required=True, help="output directory (local or gs://)")
-    s.add_argument("--tokenizer", default="gpt2", help="'gpt2' (offline), 'bytes', a hub id or a directory (default gpt2)")
-    s.add_argument("--seq", type=_positive, default=2048, help="tokens per training sequence (windows hold seq + 1; default 2048)")
-    s.add_argument("--val-fraction", type=float, default=0.0, help="fraction of windows held out for validation (default 0)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    s.set_defaults(func=cmd_prepare_data)
+# %% ../nbs/12_cli.ipynb #773d4a14
+def cmd_train(args) -> int:
+    from meshtx.runs import train
+    t = train(args.config, progress=not args.quiet)
+    return 0 if t.history else 1
+
+def _add_train(sub):
+    "Add `meshtx train` to `sub`: a run config, with an example of one in its `--help`."
     s = sub.add_parser("train", help="run or resume a training run from a config (the original's keys)",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=TRAIN_EXAMPLE)
     s.add_argument("--config", required=True, help="run config JSON (see meshtx.runs)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=cmd_train)
+
+# %% ../nbs/12_cli.ipynb #08269f05
+def _lora_config(args):
+    "The `LoRAConfig` that `finetune --lora` asks for: what it does not say is `LoRAConfig`'s default, as in Python."
+    if args.lora is None: return None
+    from meshtx.config import LoRAConfig
+    return LoRAConfig(rank=args.lora, **({} if args.lora_alpha is None else {"alpha": args.lora_alpha}),
+                      **({"targets": tuple(args.lora_targets.split(","))} if args.lora_targets else {}))
+
+# %% ../nbs/12_cli.ipynb #4417b3c6
+def cmd_finetune(args) -> int:
+    from meshtx.runs import finetune
+    lora = _lora_config(args)
+    r = finetune(args.model, args.data, args.out, lora=lora, steps=args.steps, batch=args.batch, seq=args.seq,
+                 accum=args.accum, lr=args.lr, val_fraction=args.val_fraction, seed=args.seed, dtype=args.dtype,
+                 remat=not args.no_remat, save_every=args.save_every, progress=not args.quiet)
+    return 0 if r["steps"] else 1
+
+# %% ../nbs/12_cli.ipynb #13070d68
+def _add_finetune(sub):
+    "Add `meshtx finetune` to `sub`: the model, the data, and `meshtx.runs.finetune`'s options."
     s = sub.add_parser("finetune", help="fine-tune a model on text files (fully, or with --lora)")
     s.add_argument("--model", required=True, help="hub id, Hugging Face directory or meshtx checkpoint (local or gs://)")
     s.add_argument("--data", required=True, nargs="+", help="text/jsonl files or folders, or a prepared dataset")
@@ -357,6 +363,21 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=cmd_finetune)
+
+# %% ../nbs/12_cli.ipynb #e6d28383
+def cmd_plan(args) -> int:
+    from meshtx.config import ModelConfig
+    from meshtx.sharding import plan
+    config = ModelConfig.from_hf(args.hf_config) if args.hf_config else ModelConfig.preset(args.preset)
+    p = plan(config, args.devices, mode=args.mode, batch=args.batch, seq=args.seq, device=args.device,
+             param_dtype=args.param_dtype, opt_dtype=args.opt_dtype, lora_rank=args.lora_rank,
+             remat=not args.no_remat, dp=args.dp, fsdp=args.fsdp, mp=args.mp)
+    print(p)
+    return 0
+
+# %% ../nbs/12_cli.ipynb #8f3ecbb9
+def _add_plan(sub):
+    "Add `meshtx plan` to `sub`: the model, the devices, and what the memory is for."
     s = sub.add_parser("plan", help="memory per device: will it fit?")
     s.add_argument("--preset", default="gptj-6b", help="model preset (default gptj-6b)")
     s.add_argument("--hf-config", help="a Hugging Face config.json (or its directory) instead of a preset")
@@ -372,6 +393,35 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--no-remat", action="store_true", help="count activations without rematerialization (default: with it, "
                    "as `meshtx finetune` trains; the plan's first line says which)")
     s.set_defaults(func=cmd_plan)
+
+# %% ../nbs/12_cli.ipynb #ae0bc30d
+def _check_free(host: str, port: int):
+    "Raise a clear error now if `host:port` cannot be bound, rather than after loading a model."
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e: raise ValueError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
+
+# %% ../nbs/12_cli.ipynb #0da6cc24
+def cmd_serve(args) -> int:
+    from meshtx.serve import serve
+    if args.model_arg is not None:
+        if args.model or args.preset: raise ValueError(f"give the model once: {args.model_arg!r} or --model/--preset, not both")
+        args.model = args.model_arg
+    if not (args.model or args.preset): raise ValueError("give a model (MODEL, --model) or --preset")
+    _check_free(args.host, args.port)
+    lm = _load_model(args)
+    name = args.model_name or args.preset or str(args.model)
+    serve(lm, host=args.host, port=args.port, log_level="warning" if args.quiet else "info", model_name=name,
+          announce=f"meshtx: serving {name}: {lm}",   # once bound, with the real port (--port 0), also with -q
+          max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms, max_queue=args.max_queue,
+          cors_origins=args.cors_origin or ())
+    return 0
+
+# %% ../nbs/12_cli.ipynb #34b29509
+def _add_serve(sub):
+    "Add `meshtx serve` to `sub`: the model (as an argument or `--model`), where to listen, how to batch."
     s = sub.add_parser("serve", help="serve a model over HTTP (/complete and OpenAI's /v1/completions)",
                        description="Serve a model over HTTP. Plain requests that arrive together are decoded in one "
                        "batch; streamed requests run one at a time (not batched), so concurrent streaming clients wait "
@@ -391,8 +441,19 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--cors-origin", action="append", help="allow browser requests from this origin (repeatable)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars or access log")
     s.set_defaults(func=cmd_serve)
+
+# %% ../nbs/12_cli.ipynb #92f23bf0
+def parser() -> argparse.ArgumentParser:
+    "The `meshtx` command's parser: every subcommand, its options and, as `func`, the `cmd_*` that runs it."
+    p = argparse.ArgumentParser(prog="meshtx", description="Run, fine-tune and serve GPT-J-class models in JAX.")
+    from meshtx import __version__
+    p.add_argument("--version", action="version", version=f"meshtx {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_info, _add_eval, _add_demo, _add_sample, _add_convert, _add_prepare_data, _add_train,
+                _add_finetune, _add_plan, _add_serve): add(sub)
     return p
 
+# %% ../nbs/12_cli.ipynb #6ef5c298
 _JOB_VARS = ("MESHTX_COORDINATOR", "MESHTX_NUM_PROCESSES", "MESHTX_PROCESS_ID")
 
 def _join_job():
@@ -406,6 +467,10 @@ def _join_job():
     except (ValueError, RuntimeError) as e:
         raise ValueError(f"could not join the job ({', '.join(f'{k}={v}' for k, v in given.items())}): {e}") from None
 
+# %% ../nbs/12_cli.ipynb #09629cf7
+def _terminated(signum, frame): raise SystemExit(128 + signum)
+
+# %% ../nbs/12_cli.ipynb #5b0266e2
 def main(argv=None) -> int:
     "Entry point of the `meshtx` console script."
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
@@ -432,5 +497,3 @@ def main(argv=None) -> int:
         return 130
     finally:
         if main_thread: signal.signal(signal.SIGTERM, previous)
-
-def _terminated(signum, frame): raise SystemExit(128 + signum)

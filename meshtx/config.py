@@ -43,34 +43,16 @@ class ModelConfig:
     bos_token_id: int | None = None  # kept for Hugging Face's config.json; None: the same default
     pad_token_id: int | None = None  # kept for Hugging Face's config.json; None: none
 
-    def __post_init__(self):
+    def __post_init__(self):   # the defaults that follow from other fields, then the checks (next cell)
         if self.d_head is None:
             _check_positive("n_head", self.n_head); _check_positive("d_model", self.d_model)
             if self.d_model % self.n_head:
                 raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
             object.__setattr__(self, "d_head", self.d_model // self.n_head)
         if self.d_ff is None and isinstance(self.d_model, int): object.__setattr__(self, "d_ff", 4 * self.d_model)
-        for f in ("n_layer", "d_model", "n_head", "n_vocab", "n_ctx", "rotary_dim", "d_head", "d_ff"):
-            _check_positive(f, getattr(self, f))
-            if getattr(self, f) > LIMITS[f]:
-                raise ValueError(f"{f}={getattr(self, f)} is larger than meshtx's limit of {LIMITS[f]:,} ({LIMIT_WHY[f]})")
-        if self.rotary_dim % 2:
-            raise ValueError(f"rotary_dim={self.rotary_dim} must be even (rotary rotates pairs of features)")
-        if self.rotary_dim > self.d_head:
-            raise ValueError(f"rotary_dim={self.rotary_dim} is larger than d_head={self.d_head}")
-        if not (isinstance(self.ln_eps, (int, float)) and self.ln_eps > 0):
-            raise ValueError(f"ln_eps={self.ln_eps!r} must be a positive number")
-        for f in ("eos_token_id", "bos_token_id", "pad_token_id"):
-            v = getattr(self, f)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise ValueError(f"{f}={v!r} must be a token id (an integer ≥ 0) or None")
-            if v is not None and v >= 2**31:
-                raise ValueError(f"{f}={v} is not a token id: ids are 32-bit (below 2,147,483,648)")
-        for f, allowed in (("param_dtype", DTYPES), ("compute_dtype", DTYPES), ("attention", ATTENTION),
-                           ("remat_policy", REMAT_POLICIES), ("cache_read", CACHE_READS)):
-            if getattr(self, f) not in allowed:
-                raise ValueError(f"{f}={getattr(self, f)!r} is not one of {allowed}")
+        _validate(self)
 
+# %% ../nbs/00_config.ipynb #d7640b06
 # far above any real model's (GPT-J-6B: 28 layers, 4096 wide, 50400 ids, 2048 positions), far below what would
 # exhaust memory before an error could say why (a config.json with n_layer 10⁹ is a typo or an attack, not a model)
 LIMITS = dict(n_layer=1024, d_model=131072, n_head=4096, d_head=8192, d_ff=1048576, rotary_dim=8192,
@@ -84,12 +66,36 @@ def _check_positive(name, value):
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a positive integer")
 
+def _validate(c: ModelConfig):
+    "Refuse impossible or absurd shapes with one line naming the field, its value and the limit."
+    for f in ("n_layer", "d_model", "n_head", "n_vocab", "n_ctx", "rotary_dim", "d_head", "d_ff"):
+        _check_positive(f, getattr(c, f))
+        if getattr(c, f) > LIMITS[f]:
+            raise ValueError(f"{f}={getattr(c, f)} is larger than meshtx's limit of {LIMITS[f]:,} ({LIMIT_WHY[f]})")
+    if c.rotary_dim % 2:
+        raise ValueError(f"rotary_dim={c.rotary_dim} must be even (rotary rotates pairs of features)")
+    if c.rotary_dim > c.d_head:
+        raise ValueError(f"rotary_dim={c.rotary_dim} is larger than d_head={c.d_head}")
+    if not (isinstance(c.ln_eps, (int, float)) and c.ln_eps > 0):
+        raise ValueError(f"ln_eps={c.ln_eps!r} must be a positive number")
+    for f in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        v = getattr(c, f)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise ValueError(f"{f}={v!r} must be a token id (an integer ≥ 0) or None")
+        if v is not None and v >= 2**31:
+            raise ValueError(f"{f}={v} is not a token id: ids are 32-bit (below 2,147,483,648)")
+    for f, allowed in (("param_dtype", DTYPES), ("compute_dtype", DTYPES), ("attention", ATTENTION),
+                       ("remat_policy", REMAT_POLICIES), ("cache_read", CACHE_READS)):
+        if getattr(c, f) not in allowed:
+            raise ValueError(f"{f}={getattr(c, f)!r} is not one of {allowed}")
+
 # %% ../nbs/00_config.ipynb #10756f99
 PRESETS = {
     "gptj-6b": dict(n_layer=28, d_model=4096, n_head=16, rotary_dim=64, d_ff=16384, n_vocab=50400, n_ctx=2048),
     "small":   dict(n_layer=8, d_model=512, n_head=8, rotary_dim=32, d_ff=2048, n_vocab=50400, n_ctx=1024),
     "demo":    dict(n_layer=4, d_model=256, n_head=8, rotary_dim=16, d_ff=1024, n_vocab=50400, n_ctx=512),
     "tiny":    dict(n_layer=2, d_model=64, n_head=4, rotary_dim=8, d_ff=256, n_vocab=1024, n_ctx=128),
+    "demo-bytes": dict(n_layer=3, d_model=128, n_head=4, rotary_dim=16, d_ff=512, n_vocab=257, n_ctx=256),
 }
 
 # %% ../nbs/00_config.ipynb #cebcbd52
@@ -143,16 +149,14 @@ def quiet_transformers():
             else: os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = old
     return sys.modules["transformers"]
 
+# %% ../nbs/00_config.ipynb #1aa283fa
 def _hf_dict(hf) -> dict:
     if isinstance(hf, (str, os.PathLike)):
         p = Path(hf)
         p = p / "config.json" if p.is_dir() else p
         if not p.exists(): raise ValueError(f"no config.json at {p}")
-        try: d = json.loads(p.read_bytes())
-        except (ValueError, RecursionError) as e:   # bad JSON, bad UTF-8, or nesting too deep to parse
-            raise ValueError(f"{p} is not valid JSON ({type(e).__name__}: {str(e)[:200]}): is the file complete?") from None
-        if not isinstance(d, dict): raise ValueError(f"{p} holds a JSON {type(d).__name__}, not an object of settings")
-        return d
+        from meshtx.storage import read_json
+        return read_json(p)   # damaged, truncated, not an object, too deep or too big: a ValueError naming the file
     return hf if isinstance(hf, dict) else hf.to_dict()
 
 @patch(cls_method=True)
@@ -181,6 +185,7 @@ def from_hf(cls: ModelConfig, hf, **overrides) -> ModelConfig:
         eos_token_id=token("eos_token_id"), bos_token_id=token("bos_token_id"), pad_token_id=token("pad_token_id"))
         | overrides)   # an override wins, even over the checkpoint's value
 
+# %% ../nbs/00_config.ipynb #005a0cd2
 @patch
 def to_hf(self: ModelConfig):
     "The equivalent `transformers.GPTJConfig`."
@@ -208,9 +213,9 @@ MTJ_OTHER_KEYS = {
 def from_mtj(cls: ModelConfig, cfg, **overrides) -> ModelConfig:
     "A `ModelConfig` from a mesh-transformer-jax config (a dict, or a JSON file's path or `gs://` URL)."
     if isinstance(cfg, (str, os.PathLike)):
-        from meshtx.data import filesystem
+        from meshtx.storage import filesystem, read_json
         fs, p = filesystem(cfg)
-        try: cfg = json.loads(fs.cat_file(p))
+        try: cfg = read_json(p, fs)
         except FileNotFoundError: raise FileNotFoundError(f"mesh-transformer-jax config {os.fspath(cfg)} does not exist") from None
     unknown = sorted(set(cfg) - set(MTJ_MODEL_KEYS) - MTJ_OTHER_KEYS)
     if unknown: raise ValueError(f"unknown mesh-transformer-jax config key(s) {unknown}")
@@ -233,8 +238,8 @@ def save(self: ModelConfig, path):
 @patch(cls_method=True)
 def load(cls: ModelConfig, path) -> ModelConfig:
     "Read a config written by `ModelConfig.save`."
-    try: d = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e: raise ValueError(f"{path} is not valid JSON: {e}") from None
+    from meshtx.storage import read_json
+    d = read_json(path)   # a damaged file is a ValueError naming it
     return cls.from_dict(d)
 
 # %% ../nbs/00_config.ipynb #93a52080

@@ -12,28 +12,15 @@ from pathlib import Path
 from typing import Iterator
 import numpy as np
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
+from .storage import filesystem, is_local, is_remote, check_bucket, fetch_dir, file_version, read_json, url_of
 
 # %% auto #0
-__all__ = ['EOT_TEXT', 'PART_CHARS', 'FORMAT', 'FORMAT_VERSION', 'filesystem', 'read_index', 'source_files', 'is_remote',
-           'check_bucket', 'fetch_dir', 'check_upload_target', 'upload_dir', 'save_remote', 'file_kind',
-           'replace_invalid', 'read_documents', 'masked_crc32c', 'example_int64_feature', 'read_tfrecord',
-           'resolve_tokenizer', 'windows_from_tokens', 'val_window_indices', 'tokenizer_fingerprint', 'sources_digest',
-           'prepare_data', 'TokenData', 'Loader']
+__all__ = ['EOT_TEXT', 'PART_CHARS', 'FORMAT', 'FORMAT_VERSION', 'read_index', 'source_files', 'file_kind', 'replace_invalid',
+           'read_documents', 'masked_crc32c', 'example_int64_feature', 'read_tfrecord', 'resolve_tokenizer',
+           'windows_from_tokens', 'val_window_indices', 'tokenizer_fingerprint', 'sources_digest', 'prepare_data',
+           'TokenData', 'Loader']
 
 # %% ../nbs/06_data.ipynb #0a87faed
-def filesystem(url_or_path, **storage_options) -> tuple[fsspec.AbstractFileSystem, str]:
-    "The fsspec filesystem holding `url_or_path` (local, or `gs://` through gcsfs) and the path within it."
-    url = os.path.expanduser(os.fspath(url_or_path))
-    if url.startswith(("gs://", "gcs://")) and os.environ.get("STORAGE_EMULATOR_HOST") and "token" not in storage_options:
-        storage_options = {"token": "anon", **storage_options}
-    if url.startswith(("gs://", "gcs://")) and "requests_timeout" not in storage_options:
-        import aiohttp   # gcsfs waits forever by default: a stalled connection would hang a training run's save for good
-        storage_options = {**storage_options, "requests_timeout": aiohttp.ClientTimeout(total=None, sock_connect=60, sock_read=300)}
-    return fsspec.core.url_to_fs(url, **storage_options)
-
-def _is_local(fs) -> bool: return isinstance(fs, LocalFileSystem)
-
 def _hidden(pattern: str, path: str) -> bool:
     "Does `path` have a hidden part (`.git`, `.DS_Store`, ...) that the folder or glob `pattern` did not name itself?"
     named = [q for q in pattern.split("/") if q.startswith(".")]
@@ -45,8 +32,8 @@ def _without_datasets(fs, found: list[str]) -> list[str]:
     for p in found:
         folder, name = p.rsplit("/", 1) if "/" in p else ("", p)
         if name == "header.json" and f"{folder}/tokens.bin" in found:
-            try: is_data = json.loads(fs.cat_file(p)).get("format") == FORMAT
-            except (ValueError, AttributeError): is_data = False
+            try: is_data = read_json(p, fs).get("format") == FORMAT
+            except ValueError: is_data = False   # damaged, or some other header.json: text like any other
             if is_data:
                 warnings.warn(f"{folder}: a dataset prepare_data wrote earlier, not text: skipped")
                 skip |= {p, f"{folder}/tokens.bin"}
@@ -57,6 +44,8 @@ def read_index(path, storage_options=None) -> list[str]:
     fs, p = filesystem(path, **(storage_options or {}))
     return [line.strip() for line in fs.cat_file(p).decode().splitlines() if line.strip()]
 
+
+# %% ../nbs/06_data.ipynb #0c3935fd
 def _local_find(root: str) -> list[str]:
     """The regular files under local folder `root`, following symlinked folders (a usual way to assemble a dataset;
     fsspec lists them as files) but never around a loop. Pipes, sockets and devices are skipped with a warning: reading
@@ -89,10 +78,10 @@ def source_files(sources, storage_options=None, exclude=()) -> list[tuple[fsspec
         if str(source).endswith(".index") and fs.isfile(path):   # the original project's list of data files
             files += source_files(read_index(source, storage_options), storage_options, exclude); continue
         if fs.isdir(path):   # an existing name is itself, even with `[` in it ("Books [2019]")
-            listed = _local_find(path) if _is_local(fs) else fs.find(path)
+            listed = _local_find(path) if is_local(fs) else fs.find(path)
             found = sorted(p for p in listed if not p.endswith("/") and not _hidden(path, p))
         elif fs.exists(path):
-            if _is_local(fs) and not stat.S_ISREG(os.stat(path).st_mode):
+            if is_local(fs) and not stat.S_ISREG(os.stat(path).st_mode):
                 raise ValueError(f"{source}: not a regular file (a pipe, socket or device), which meshtx does not read")
             found = [path]
         elif any(c in path for c in "*?["): found = sorted(p for p in fs.glob(path) if fs.isfile(p) and not _hidden(path, p))
@@ -102,100 +91,6 @@ def source_files(sources, storage_options=None, exclude=()) -> list[tuple[fsspec
         if not found: raise FileNotFoundError(f"{source}: no files there")
         files += [(fs, p) for p in found]
     return files
-
-# %% ../nbs/06_data.ipynb #8c5730e8
-def is_remote(path) -> bool:
-    "True for a URL of remote storage (`gs://...`, `memory://...`), False for a local path."
-    return isinstance(path, str) and "://" in path and not path.startswith("file://")
-
-def check_bucket(url, **storage_options):
-    "Raise `FileNotFoundError` naming the bucket when `url` is on Google Cloud Storage in a bucket that does not exist."
-    if not is_remote(url): return
-    fs, path = filesystem(url, **storage_options)
-    if "gs" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol):
-        bucket = path.split("/")[0]
-        if not fs.exists(bucket): raise FileNotFoundError(f"bucket gs://{bucket} does not exist (for {url})")
-
-def _version(info: dict) -> str:
-    "What changes when a remote file changes: its size and whatever version fields the store reports."
-    keys = ("size", "md5Hash", "crc32c", "etag", "ETag", "generation", "updated", "mtime", "LastModified")
-    return json.dumps({k: str(info[k]) for k in keys if k in info}, sort_keys=True)
-
-def _alive(pid: int) -> bool:
-    try: os.kill(pid, 0)
-    except ProcessLookupError: return False
-    except PermissionError: return True   # someone else's process
-    return True
-
-def fetch_dir(url, cache_dir=None, progress=True) -> Path:
-    "A local copy of the files directly in remote directory `url`, cached: a file is fetched again only when it changed."
-    from tqdm.auto import tqdm
-    fs, root = filesystem(url)
-    root = root.rstrip("/")
-    fs.invalidate_cache(root)
-    try: infos = [i for i in fs.ls(root, detail=True) if i["type"] == "file"]
-    except FileNotFoundError: infos = []
-    if not infos: raise FileNotFoundError(f"{url} does not exist, or holds no files")
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    cache = Path(cache_dir or os.environ.get("MESHTX_REMOTE_CACHE") or Path.home() / ".cache" / "meshtx" / "remote")
-    local = cache.expanduser() / protocol / root.lstrip("/")
-    local.mkdir(parents=True, exist_ok=True)
-    versions_file = local / ".meshtx-versions.json"
-    for part in local.glob(".*.part"):   # a fetch killed midway left its part: remove those of processes that are gone
-        pid = part.name.rsplit(".", 3)[-3]
-        if pid.isdigit() and not _alive(int(pid)): part.unlink(missing_ok=True)
-    def write_versions(v):   # atomic: other processes may be reading it
-        tmp = local / f".versions.{os.getpid()}.{uuid.uuid4().hex}"
-        tmp.write_text(json.dumps(v)); os.replace(tmp, versions_file)
-    try: versions = json.loads(versions_file.read_text())
-    except (FileNotFoundError, json.JSONDecodeError): versions = {}
-    names = {i["name"].rsplit("/", 1)[-1]: i for i in infos}
-    with tqdm(total=sum(i.get("size") or 0 for i in infos), desc=f"fetching {url}", unit="B", unit_scale=True,
-              disable=not progress) as bar:
-        for name, info in names.items():
-            if versions.get(name) != _version(info) or not (local / name).exists():
-                part = local / f".{name}.{os.getpid()}.{uuid.uuid4().hex}.part"   # each process its own: several may fetch
-                try:
-                    fs.get_file(info["name"], str(part))
-                    os.replace(part, local / name)
-                finally: part.unlink(missing_ok=True)
-                versions[name] = _version(info)
-                write_versions(versions)
-            bar.update(info.get("size") or 0)
-    for f in local.iterdir():   # files the remote directory no longer has (e.g. an earlier save's shards)
-        if f.is_file() and f.name not in names and not f.name.startswith("."): f.unlink(missing_ok=True)
-    write_versions({k: v for k, v in versions.items() if k in names})
-    return local
-
-def check_upload_target(url):
-    "Raise unless remote directory `url` can take a new save: its bucket exists and nothing is there yet."
-    check_bucket(url)
-    fs, root = filesystem(url)
-    root = root.rstrip("/")
-    fs.invalidate_cache(root)
-    try: there = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
-    except FileNotFoundError: there = []
-    if there:   # an earlier save, another kind of save, or what an interrupted one left: never mixed with this one
-        raise FileExistsError(f"{url} is not empty ({', '.join(there[:5])}{', ...' if len(there) > 5 else ''}): a save to "
-                              "remote storage cannot replace files in a single step, so it goes to a new path only; "
-                              "save to another path, or delete that one first")
-
-def upload_dir(local, url, marker: str) -> str:
-    "Copy the files under directory `local` into remote directory `url`, `marker` last; a `url` holding anything is refused."
-    check_upload_target(url)
-    fs, root = filesystem(url)
-    root = root.rstrip("/")
-    local = Path(local)
-    files = sorted((f for f in local.rglob("*") if f.is_file()), key=lambda f: (f.relative_to(local).as_posix() == marker, f.as_posix()))
-    for f in files: fs.put_file(str(f), f"{root}/{f.relative_to(local).as_posix()}")
-    return url
-
-def save_remote(url, marker: str, save) -> str:
-    "Run `save(dir)` into a temporary local directory, then upload it to `url`; the target is checked before the work."
-    check_upload_target(url)
-    with tempfile.TemporaryDirectory(prefix="meshtx-upload-") as d:
-        save(d)
-        return upload_dir(d, url, marker)
 
 # %% ../nbs/06_data.ipynb #b6fd98ed
 EOT_TEXT = "<|endoftext|>"
@@ -211,6 +106,7 @@ def file_kind(path: str) -> str:
     if name.endswith((".jsonl", ".ndjson", ".json")): return "jsonl"
     return "text"
 
+# %% ../nbs/06_data.ipynb #e2a792cd
 class _ZstdStream(io.RawIOBase):
     "The content of a zstd stream, frame after frame; a stream that ends inside a frame raises `EOFError`."
     def __init__(self, raw):
@@ -274,6 +170,7 @@ def _record_parts(texts, part_chars: int = PART_CHARS) -> Iterator[tuple[str, bo
         parts = list(_split_long(text, part_chars))
         for i, part in enumerate(parts): yield part, i == len(parts) - 1
 
+# %% ../nbs/06_data.ipynb #73cb6bd3
 def _text_pieces(f, chunk_bytes: int = 1 << 20, part_chars: int = PART_CHARS, path: str = "") -> Iterator[tuple[str, bool]]:
     """(part, document ends here) for the documents of a binary text stream (split at `<|endoftext|>`), read
     `chunk_bytes` at a time; a document longer than about `part_chars` characters comes in several parts."""
@@ -299,6 +196,7 @@ def _text_pieces(f, chunk_bytes: int = 1 << 20, part_chars: int = PART_CHARS, pa
             yield done[:at], False
             done = done[at:]
 
+# %% ../nbs/06_data.ipynb #33603d87
 def _jsonl_texts(f, path: str, counts: dict | None = None) -> Iterator[str]:
     """The `text` field of each line of a JSON-lines stream (blank lines skipped), with U+FFFD for what is not text:
     bytes that are not UTF-8 and JSON escapes of lone surrogates (`"\\ud800"`), counted apart in `counts`."""
@@ -355,6 +253,7 @@ def _file_parts(fs, path: str, stats: dict, part_chars: int = PART_CHARS) -> Ite
     stats["n_documents"] = stats.get("n_documents", 0) + n_docs
     stats["replaced_bytes"] = stats.get("replaced_bytes", 0) + replaced
 
+# %% ../nbs/06_data.ipynb #1f5433f8
 def _file_documents(fs, path: str, stats: dict) -> Iterator[str]:
     "The documents of one file, whole (see `_file_parts`)."
     pieces = []
@@ -420,6 +319,7 @@ def _packed_varints(buf) -> np.ndarray:
     groups = (b & 0x7F).astype(np.uint64) << (7 * place).astype(np.uint64)
     return np.add.reduceat(groups, starts)
 
+# %% ../nbs/06_data.ipynb #438ed0f6
 def example_int64_feature(data, name: str = "text") -> np.ndarray:
     "The int64 list feature `name` of a serialized `tf.train.Example`, as an int64 array."
     data = memoryview(data)
@@ -580,24 +480,33 @@ def _publish(staging: Path, out, storage_options=None):
     new header comes last. A publish stopped after the old header went is completed by the next `TokenData.open`."""
     fs, root = filesystem(out, **(storage_options or {}))
     _finish_publish(fs, root)
-    if _is_local(fs):
+    if is_local(fs):
         fs.makedirs(root, exist_ok=True)
         for old in Path(root).glob(".*.tmp"):   # an earlier publish that was killed between its two steps
             if old.name.startswith((".tokens.bin.", ".header.json.")) and time.time() - old.stat().st_mtime > 3600: old.unlink(missing_ok=True)
     tag = uuid.uuid4().hex[:8]   # one tag for both files: `_finish_publish` pairs them by it
     temporary = {name: f"{root}/.{name}.{tag}.tmp" for name in ("tokens.bin", "header.json")}
-    put = (lambda name: shutil.move(staging / name, temporary[name])) if _is_local(fs) else \
+    put = (lambda name: shutil.move(staging / name, temporary[name])) if is_local(fs) else \
           (lambda name: fs.put_file(str(staging / name), temporary[name]))
-    put("tokens.bin"); put("header.json")
+    try: put("tokens.bin"); put("header.json")
+    except OSError as e:   # a full disk, a lost connection: the earlier dataset is whole; what was copied goes
+        for t in temporary.values():
+            with contextlib.suppress(OSError):
+                if fs.exists(t): fs.rm(t)
+        if e.errno is None: raise
+        raise OSError(e.errno, f"could not write the dataset into {url_of(fs, root)}: {e.strerror or e}; "
+                               "the files there are as they were") from None
     if fs.exists(f"{root}/header.json"): fs.rm(f"{root}/header.json")
     fs.mv(temporary["tokens.bin"], f"{root}/tokens.bin")
     fs.mv(temporary["header.json"], f"{root}/header.json")
 
+
+# %% ../nbs/06_data.ipynb #704d1d8f
 def _staging_parent(out, storage_options=None):
     "Where to stage: beside a local `out` (so the final move is a rename), else the system's temporary folder."
     fs, root = filesystem(out, **(storage_options or {}))
     parent = Path(root).parent
-    return str(parent) if _is_local(fs) and parent.is_dir() else None
+    return str(parent) if is_local(fs) and parent.is_dir() else None
 
 def _vocab_size(tokenizer) -> int:
     try: return len(tokenizer)
@@ -616,9 +525,10 @@ def tokenizer_fingerprint(tokenizer) -> str | None:
 def sources_digest(files) -> str:
     "A short hash of the files `source_files` found: their names and versions (sizes, modification times, hashes)."
     h = hashlib.sha256()
-    for fs, p in files: h.update(json.dumps([p, _version(fs.info(p))]).encode())   # what `fetch_dir` compares, too
+    for fs, p in files: h.update(json.dumps([p, file_version(fs.info(p))]).encode())   # what `fetch_dir` compares, too
     return h.hexdigest()[:16]
 
+# %% ../nbs/06_data.ipynb #a0da84ec
 @contextlib.contextmanager
 def _staging_lock(folder: Path):
     "Hold a lock file `folder/.lock`, locked from the moment its name appears, so a later run sees the folder in use."
@@ -645,6 +555,18 @@ def _remove_abandoned_staging(parent, age: float = 3600):
                 shutil.rmtree(folder, ignore_errors=True)
         except OSError: continue
 
+# %% ../nbs/06_data.ipynb #a5358ee9
+@contextlib.contextmanager
+def _staged(path: Path, out):
+    "An `OSError` while writing staging file `path` (a full disk) as one naming it, the bytes written, and `out`."
+    try: yield
+    except OSError as e:
+        if e.errno is None: raise
+        try: written = f", after {path.stat().st_size / 1e6:,.1f} MB" if path.exists() else ""
+        except OSError: written = ""
+        raise OSError(e.errno, f"could not write {path} (staging the dataset for {os.fspath(out)}): {e.strerror or e}"
+                               f"{written}; nothing in {os.fspath(out)} was changed") from None
+
 def prepare_data(sources, out, tokenizer, seq: int = 2048, *, val_fraction: float = 0.0, seed: int = 0,
                  eot_id: int | None = None, storage_options=None, progress: bool = True, exclude=()) -> "TokenData":
     """Tokenize `sources`, pack them into windows of `seq + 1` tokens, hold out `val_fraction` of the windows, write `out`.
@@ -664,7 +586,8 @@ def prepare_data(sources, out, tokenizer, seq: int = 2048, *, val_fraction: floa
     _remove_abandoned_staging(parent)
     with tempfile.TemporaryDirectory(prefix=".meshtx-data-", dir=parent) as staging, _staging_lock(Path(staging)):
         staging = Path(staging)
-        with open(staging / "tokens.bin", "wb") as f, tqdm(desc="tokenizing", unit=" docs", disable=not progress) as bar:
+        with _staged(staging / "tokens.bin", out), open(staging / "tokens.bin", "wb") as f, \
+             tqdm(desc="tokenizing", unit=" docs", disable=not progress) as bar:
             writer = _WindowWriter(f, seq + 1, dtype, vocab)
             for tokens, where in _token_arrays(files, tok, eot, stats, bar): writer.add(tokens, where)
             writer.flush()
@@ -675,7 +598,7 @@ def prepare_data(sources, out, tokenizer, seq: int = 2048, *, val_fraction: floa
         val = val_window_indices(writer.n_windows, val_fraction, seed)
         if len(val):
             rows = np.memmap(staging / "tokens.bin", dtype, "r+", shape=(writer.n_windows, seq + 1))
-            _hold_out(rows, val); rows.flush(); del rows
+            with _staged(staging / "tokens.bin", out): _hold_out(rows, val); rows.flush(); del rows
         header = {"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": _tokenizer_name(tokenizer, tok),
                   "tokenizer_fingerprint": tokenizer_fingerprint(tok), "sources_digest": sources_digest(files),
                   "vocab_size": vocab, "eot_id": int(eot), "seq": seq, "dtype": dtype.name,
@@ -684,7 +607,7 @@ def prepare_data(sources, out, tokenizer, seq: int = 2048, *, val_fraction: floa
                   "n_windows": writer.n_windows, "n_val_windows": len(val), "val_fraction": val_fraction, "seed": seed,
                   "replaced_bytes": stats["replaced_bytes"],
                   "sources": [os.fspath(s) for s in ([sources] if isinstance(sources, (str, os.PathLike)) else sources)]}
-        (staging / "header.json").write_text(json.dumps(header, indent=1) + "\n")
+        with _staged(staging / "header.json", out): (staging / "header.json").write_text(json.dumps(header, indent=1) + "\n")
         _publish(staging, out, storage_options)
     return TokenData.open(out, storage_options=storage_options)
 
@@ -709,6 +632,7 @@ class _RangeReader:
         out[order] = np.frombuffer(b"".join(chunks), self.dtype).reshape(len(rows), self.width)
         return out
 
+# %% ../nbs/06_data.ipynb #99d6fcc5
 class TokenData:
     "A prepared dataset: `n_windows` windows of `seq + 1` tokens; the last `header['n_val_windows']` are the validation split."
     def __init__(self, header: dict, rows, path: str):
@@ -718,12 +642,11 @@ class TokenData:
     @classmethod
     def open(cls, path, *, storage_options=None) -> "TokenData":
         fs, root = filesystem(path, **(storage_options or {}))
-        try: header = json.loads(fs.cat_file(f"{root}/header.json"))
+        try: header = read_json(f"{root}/header.json", fs, name=f"{os.fspath(path)}/header.json")
         except FileNotFoundError:
             if _finish_publish(fs, root): return cls.open(path, storage_options=storage_options)
             raise FileNotFoundError(f"{path}: no header.json; not a prepared dataset, or its preparation did not finish") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}/header.json is damaged (not JSON: {e}): prepare the data again") from None
+        except ValueError as e: raise ValueError(f"{e} The dataset is damaged: prepare the data again.") from None
         if header.get("format") != FORMAT or header.get("version") != FORMAT_VERSION:
             raise ValueError(f"{path}/header.json: format {header.get('format')!r} version {header.get('version')!r}, "
                              f"expected {FORMAT!r} version {FORMAT_VERSION}")
@@ -734,7 +657,7 @@ class TokenData:
         if (size := fs.size(tokens)) != expected:
             raise ValueError(f"{path}/tokens.bin: {size} bytes, but header.json announces {header['n_windows']} windows of "
                              f"{width} {header['dtype']} tokens = {expected} bytes")
-        rows = np.memmap(tokens, dtype, "r", shape=(header["n_windows"], width)) if _is_local(fs) else _RangeReader(fs, tokens, dtype, width)
+        rows = np.memmap(tokens, dtype, "r", shape=(header["n_windows"], width)) if is_local(fs) else _RangeReader(fs, tokens, dtype, width)
         return cls(header, rows, os.fspath(path))
 
     def check_fits(self, n_vocab: int, n_ctx: int | None = None, tokenizer=None):

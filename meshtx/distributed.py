@@ -17,7 +17,7 @@ from .sharding import BATCH
 __all__ = ['initialize', 'shutdown', 'is_main_process', 'print0', 'main_process_only', 'sync', 'share', 'process_rows',
            'global_batch']
 
-# %% ../nbs/03a_distributed.ipynb #879bc8db
+# %% ../nbs/03a_distributed.ipynb #92db008f
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, timeout: int = 300, **kwargs) -> None:
     "Join this process to a multi-process JAX job (arguments, then `MESHTX_*` environment variables, then auto-detection)."
@@ -37,6 +37,7 @@ def shutdown() -> None:
     "Leave the job (call at the end of a multi-process run)."
     if jax.distributed.is_initialized(): jax.distributed.shutdown()
 
+# %% ../nbs/03a_distributed.ipynb #b978c0b0
 def is_main_process() -> bool: return jax.process_index() == 0
 
 def print0(*args, **kwargs) -> None:
@@ -49,6 +50,7 @@ def main_process_only(fn):
     def wrapper(*args, **kwargs): return fn(*args, **kwargs) if is_main_process() else None
     return wrapper
 
+# %% ../nbs/03a_distributed.ipynb #57b0dbb4
 def sync(name: str = "meshtx") -> None:
     "Wait until every process reaches this point."
     if jax.process_count() > 1: multihost_utils.sync_global_devices(name)
@@ -58,7 +60,7 @@ def share(value: int) -> int:
     if jax.process_count() == 1: return int(value)
     return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 
-# %% ../nbs/03a_distributed.ipynb #6f0ff33f
+# %% ../nbs/03a_distributed.ipynb #1ece64a8
 def process_rows(global_batch_size: int) -> slice:
     "The rows of the global batch that this process loads."
     n, i = jax.process_count(), jax.process_index()
@@ -67,6 +69,7 @@ def process_rows(global_batch_size: int) -> slice:
     per = global_batch_size // n
     return slice(i * per, (i + 1) * per)
 
+# %% ../nbs/03a_distributed.ipynb #5ffeec92
 def global_batch(local_rows: np.ndarray, mesh: Mesh, spec: P = P(BATCH)) -> jax.Array:
     "One global array, laid out by `spec` on `mesh`, from each process's `local_rows`."
     return multihost_utils.host_local_array_to_global_array(np.asarray(local_rows), mesh, spec)

@@ -10,6 +10,7 @@ import logging, math, sys
 import numpy as np
 import jax, jax.numpy as jnp
 from tqdm.auto import tqdm
+from fastcore.basics import patch
 from .lm import LM
 from .tokenizer import EOT
 
@@ -42,9 +43,9 @@ def _sequence_scores(logits, targets, mask):
 # %% ../nbs/09_evaluate.ipynb #6264497e
 def _bucket(n, least=16): return max(least, 1 << max(0, n - 1).bit_length())
 
-def score(lm: LM, seqs, n_scored, batch_size=8, max_length=None, progress=False) -> list[tuple[float, bool]]:
-    """For each token sequence `seqs[i]`: the summed log-probability of its last `n_scored[i]` tokens, each predicted
-    from the tokens before it, and whether every one of them is the model's greedy choice."""
+# %% ../nbs/09_evaluate.ipynb #1834e7ad
+def _check_scorable(lm: LM, seqs, n_scored, batch_size):
+    "`seqs` and `n_scored` as lists of ints, if every sequence can be scored as asked; else a ValueError saying why."
     seqs, n_scored = [list(map(int, s)) for s in seqs], [int(n) for n in n_scored]
     if len(seqs) != len(n_scored): raise ValueError(f"{len(seqs)} sequences but {len(n_scored)} counts")
     if batch_size < 1: raise ValueError(f"batch_size={batch_size} must be at least 1")
@@ -56,6 +57,14 @@ def score(lm: LM, seqs, n_scored, batch_size=8, max_length=None, progress=False)
             raise ValueError(f"a {len(s)}-token sequence does not fit: the model would see {len(s) - 1} tokens, more than its context n_ctx={n_ctx}")
         if min(s) < 0 or max(s) >= lm.config.n_vocab:
             raise ValueError(f"token ids must be in [0, {lm.config.n_vocab}), got [{min(s)}, {max(s)}]")
+    return seqs, n_scored
+
+# %% ../nbs/09_evaluate.ipynb #31e14d0f
+def score(lm: LM, seqs, n_scored, batch_size=8, max_length=None, progress=False) -> list[tuple[float, bool]]:
+    """For each token sequence `seqs[i]`: the summed log-probability of its last `n_scored[i]` tokens, each predicted
+    from the tokens before it, and whether every one of them is the model's greedy choice."""
+    seqs, n_scored = _check_scorable(lm, seqs, n_scored, batch_size)
+    n_ctx = lm.config.n_ctx
     cap = min(max_length or n_ctx, n_ctx)   # padding never goes past the context
     order = sorted(range(len(seqs)), key=lambda i: (-len(seqs[i]), seqs[i]))
     out = [None] * len(seqs)
@@ -104,6 +113,21 @@ def perplexity(lm: LM, texts, max_length=None, stride=None, batch_size=8, progre
 # %% ../nbs/09_evaluate.ipynb #af412379
 _IGNORED = {"device", "max_batch_size", "trust_remote_code"}   # lm-eval passes these to every model; JAX picks devices itself
 
+def _load_lm(pretrained, preset, dtype, seed, dp, fsdp, mp, revision) -> LM:
+    "The model `--model_args` name: an `LM`, a checkpoint or hub id, or a random preset; on a mesh if `dp`/`fsdp`/`mp` ask for one."
+    mesh = None
+    if any(v is not None for v in (dp, fsdp, mp)):
+        from meshtx.sharding import make_mesh
+        mesh = make_mesh(dp=dp, fsdp=fsdp, mp=mp)
+    if isinstance(pretrained, LM): return pretrained.shard(mesh) if mesh is not None else pretrained
+    elif pretrained is not None and preset is not None: raise ValueError("pass pretrained= or preset=, not both")
+    elif pretrained is not None:
+        return (LM.load(str(pretrained), dtype=dtype, mesh=mesh, progress=False) if revision is None else
+                LM.from_hf(str(pretrained), dtype=dtype or "bfloat16", revision=revision, mesh=mesh, progress=False))
+    elif preset is not None: return LM.init(str(preset), seed=int(seed), dtype=dtype, mesh=mesh)
+    else: raise ValueError("the meshtx model needs pretrained=<checkpoint dir or hub id> or preset=<name>")
+
+# %% ../nbs/09_evaluate.ipynb #86dfba9d
 class MeshtxLM(TemplateLM):
     "An lm-evaluation-harness model (`--model meshtx`) that runs a meshtx `LM`."
     def __init__(self, pretrained=None, preset=None, dtype=None, batch_size=8, max_length=None, max_gen_toks=256,
@@ -113,17 +137,7 @@ class MeshtxLM(TemplateLM):
         if unknown: raise ValueError(f"unknown meshtx model arguments: {', '.join(sorted(unknown))}")
         if isinstance(batch_size, str) and batch_size.startswith("auto"): batch_size = 8
         if int(batch_size) < 1: raise ValueError(f"batch_size={batch_size} must be at least 1")
-        mesh = None
-        if any(v is not None for v in (dp, fsdp, mp)):
-            from meshtx.sharding import make_mesh
-            mesh = make_mesh(dp=dp, fsdp=fsdp, mp=mp)
-        if isinstance(pretrained, LM): lm = pretrained.shard(mesh) if mesh is not None else pretrained
-        elif pretrained is not None and preset is not None: raise ValueError("pass pretrained= or preset=, not both")
-        elif pretrained is not None:
-            lm = (LM.load(str(pretrained), dtype=dtype, mesh=mesh, progress=False) if revision is None else
-                  LM.from_hf(str(pretrained), dtype=dtype or "bfloat16", revision=revision, mesh=mesh, progress=False))
-        elif preset is not None: lm = LM.init(str(preset), seed=int(seed), dtype=dtype, mesh=mesh)
-        else: raise ValueError("the meshtx model needs pretrained=<checkpoint dir or hub id> or preset=<name>")
+        lm = _load_lm(pretrained, preset, dtype, seed, dp, fsdp, mp, revision)
         if lm.tokenizer is None: raise ValueError("lm-eval sends text: this LM has no tokenizer")
         self.lm, self.tokenizer = lm, lm.tokenizer
         self._batch_size, self._max_gen_toks, self._seed = int(batch_size), int(max_gen_toks), int(seed)
@@ -133,36 +147,11 @@ class MeshtxLM(TemplateLM):
 
     @property
     def eot_token_id(self) -> int: return self.tokenizer.eos_token_id
-    @property
-    def prefix_token_id(self) -> int:
-        "Conditions an empty context: BOS if the tokenizer has one, else EOS (`<|endoftext|>` for GPT-2's)."
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        return bos if bos is not None else self.lm.document_start
-    @property
-    def max_length(self) -> int: return self._max_length
-    @property
-    def max_gen_toks(self) -> int: return self._max_gen_toks
-    @property
-    def batch_size(self) -> int: return self._batch_size
-    @property
-    def tokenizer_name(self) -> str:
-        return str(getattr(self.tokenizer, "name_or_path", type(self.tokenizer).__name__)).replace("/", "__")
-
     def tok_encode(self, string: str, add_special_tokens=None, left_truncate_len=None, **kwargs) -> list[int]:
         "Token ids of `string`, with the tokenizer's own special tokens (none for GPT-2's), as HFLM encodes."
         special = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
         ids = self.tokenizer.encode(string, **special)
         return ids[-left_truncate_len:] if left_truncate_len else ids
-
-    def _encode_pair(self, context: str, continuation: str):
-        "lm-eval's split (trailing spaces move to the continuation); a context of spaces alone is then conditioned as an empty one."
-        context_enc, continuation_enc = super()._encode_pair(context, continuation)
-        return context_enc or [self.prefix_token_id], continuation_enc
-
-    def get_model_info(self) -> dict:
-        c = self.lm.config
-        return {"model_num_parameters": c.n_params, "model_dtype": c.param_dtype, "model_revision": "",
-                "model_sha": ""}
 
     # the three kinds of request, each explained below
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs) -> list[tuple[float, bool]]:
@@ -171,6 +160,38 @@ class MeshtxLM(TemplateLM):
         return _loglikelihood_rolling(self, requests, disable_tqdm)
     def generate_until(self, requests, disable_tqdm=False) -> list[str]:
         return _generate_until(self, requests, disable_tqdm)
+
+# %% ../nbs/09_evaluate.ipynb #1ff45276
+@patch(as_prop=True)
+def prefix_token_id(self: MeshtxLM) -> int:
+    "Conditions an empty context: BOS if the tokenizer has one, else EOS (`<|endoftext|>` for GPT-2's)."
+    bos = getattr(self.tokenizer, "bos_token_id", None)
+    return bos if bos is not None else self.lm.document_start
+
+@patch(as_prop=True)
+def max_length(self: MeshtxLM) -> int: return self._max_length
+
+@patch(as_prop=True)
+def max_gen_toks(self: MeshtxLM) -> int: return self._max_gen_toks
+
+@patch(as_prop=True)
+def batch_size(self: MeshtxLM) -> int: return self._batch_size
+
+@patch(as_prop=True)
+def tokenizer_name(self: MeshtxLM) -> str:
+    return str(getattr(self.tokenizer, "name_or_path", type(self.tokenizer).__name__)).replace("/", "__")
+
+@patch
+def _encode_pair(self: MeshtxLM, context: str, continuation: str):
+    "lm-eval's split (trailing spaces move to the continuation); a context of spaces alone is then conditioned as an empty one."
+    context_enc, continuation_enc = TemplateLM._encode_pair(self, context, continuation)
+    return context_enc or [self.prefix_token_id], continuation_enc
+
+@patch
+def get_model_info(self: MeshtxLM) -> dict:
+    c = self.lm.config
+    return {"model_num_parameters": c.n_params, "model_dtype": c.param_dtype, "model_revision": "",
+            "model_sha": ""}
 
 # %% ../nbs/09_evaluate.ipynb #745e32e5
 def _loglikelihood_tokens(self: MeshtxLM, requests, disable_tqdm=False) -> list[tuple[float, bool]]:
@@ -185,6 +206,7 @@ def _loglikelihood_tokens(self: MeshtxLM, requests, disable_tqdm=False) -> list[
         if key is not None: self.cache_hook.add_partial("loglikelihood", key, r)
     return res
 
+# %% ../nbs/09_evaluate.ipynb #7371947c
 def _loglikelihood_rolling(self: MeshtxLM, requests, disable_tqdm=False) -> list[float]:
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
     windows, owner = [], []
@@ -223,6 +245,7 @@ def _generate_batch(self: MeshtxLM, contexts, gen_kwargs, first_seed) -> list[st
                          seed=[(first_seed + i) % 2**32 for i in range(len(prompts))], **opts)
     return [postprocess_generated_text(t, until, None) for t in g.texts]
 
+# %% ../nbs/09_evaluate.ipynb #29e9bde3
 def _generate_until(self: MeshtxLM, requests, disable_tqdm=False) -> list[str]:
     from lm_eval.models.utils import Collator
     args = [req.args for req in requests]

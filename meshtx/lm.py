@@ -14,8 +14,8 @@ from fastcore.basics import patch
 from .config import ModelConfig, LoRAConfig
 from .model import gptj, init_params, no_hint, param_shapes, split_layers, BLOCKS
 from .weights import (load_hf_params, load_params, is_meshtx_checkpoint, checkpoint_files, MESHTX_CONFIG, from_old_layout,
-                            replace_dir, recover_dir, SAVE_FILES, _write_hf, _write_params, _writing)
-from .data import is_remote, fetch_dir, save_remote
+                            SAVE_FILES, write_hf, write_params)
+from .storage import is_remote, fetch_dir, save_remote, replace_dir, recover_dir, write_file
 from .tokenizer import gpt2_tokenizer, load_tokenizer, has_tokenizer, EOT, TOKENIZER_FILES
 from .sharding import param_shardings, shard_params, activation_hint, batch_sharding
 
@@ -62,6 +62,7 @@ class LM:
         # one user of the weights at a time: a training step donates (frees) them, so generation, saves and steps that
         # may run in other threads (a widget, an in-process server) read `params` under this lock
         self.lock = getattr(self, "lock", None) or threading.RLock()
+        self.compiled = {}   # programs other modules compile for this model, by module name (`meshtx.sampling`'s)
         self._forward = jax.jit(gptj(config, activation_hint(mesh) if mesh is not None else no_hint, lora).apply)
 
     def __repr__(self):
@@ -102,6 +103,7 @@ def init(cls: LM, config: ModelConfig | str, seed: int = 0, tokenizer="auto", dt
     params = init_params(config, seed, param_shardings(config, mesh) if mesh is not None else None)
     return cls(config, params, _default_tokenizer(config) if tokenizer == "auto" else tokenizer, mesh)
 
+# %% ../nbs/04_lm.ipynb #3645d827
 @patch(cls_method=True)
 def from_hf(cls: LM, path_or_repo_id, dtype="bfloat16", compute_dtype=None, revision=None, tokenizer="auto",
             mesh=None, progress=True, **config_overrides) -> LM:
@@ -112,6 +114,7 @@ def from_hf(cls: LM, path_or_repo_id, dtype="bfloat16", compute_dtype=None, revi
     if tokenizer == "auto": tokenizer = load_tokenizer(path) if has_tokenizer(path) else _default_tokenizer(config)
     return cls(config, params, tokenizer, mesh)
 
+# %% ../nbs/04_lm.ipynb #39b2f820
 @patch(cls_method=True)
 def load(cls: LM, path, dtype=None, compute_dtype=None, mesh=None, progress=True) -> LM:
     """Load a meshtx checkpoint (`LM.save`), a `Trainer` checkpoint of a full fine-tune (a `step_N` folder, or the
@@ -128,21 +131,7 @@ def load(cls: LM, path, dtype=None, compute_dtype=None, mesh=None, progress=True
         return lm.shard(mesh) if mesh is not None else lm
     return cls.from_hf(path, dtype=dtype or "bfloat16", compute_dtype=compute_dtype, mesh=mesh, progress=progress)
 
-OLD_QKV = "gptj/blocks/attn/qkv"   # in a checkpoint of an earlier meshtx, whose matrices were [in, out]
-
-@patch(cls_method=True)
-def _from_old_training(cls: LM, ck, step, config, dtype=None, compute_dtype=None, mesh=None) -> LM:
-    "The model of a `Trainer` checkpoint written before weight matrices were `[out, in]`: read, then rearranged."
-    old = {i["keys"][1]: {} for n, i in ck.tensors(step).items() if n.startswith("params/")}
-    for n, i in ck.tensors(step).items():
-        if n.startswith("params/"): old[i["keys"][1]][i["keys"][2]] = jax.ShapeDtypeStruct(tuple(i["shape"]), i["dtype"])
-    flat = {f"{m}/{p}": x for m, ps in ck.restore(step, {"params": old})[0]["params"].items() for p, x in ps.items()}
-    new = from_old_layout(flat)
-    params = {m: {p: jax.device_put(new[f"{m}/{p}"]) for p in ps} for m, ps in param_shapes(config).items()}
-    lm = cls(_with_dtype(config, dtype, compute_dtype), params, _default_tokenizer(config))
-    if dtype is not None: lm.params = jax.tree.map(lambda x: x.astype(lm.config.param_dtype), lm.params)
-    return lm.shard(mesh) if mesh is not None else lm
-
+# %% ../nbs/04_lm.ipynb #b8ef4658
 def _training_checkpoint(path):
     "`(Checkpointer, step)` if `path` is a `Trainer`'s checkpoint: a `step_N` folder, or a folder of them (the latest)."
     from meshtx.checkpoint import Checkpointer, MARKER
@@ -155,6 +144,7 @@ def _training_checkpoint(path):
     except (OSError, ValueError): return None
     return (ck, ck.latest()) if ck.fs.isdir(ck.root) and ck.steps() else None
 
+# %% ../nbs/04_lm.ipynb #24c5f845
 @patch(cls_method=True)
 def _from_training(cls: LM, ck, step, dtype=None, compute_dtype=None, mesh=None) -> LM:
     "The model of `Trainer` checkpoint `step` in `ck` (its weights only: no optimizer state is read)."
@@ -173,6 +163,46 @@ def _from_training(cls: LM, ck, step, dtype=None, compute_dtype=None, mesh=None)
     if dtype is not None: params = jax.tree.map(lambda x: x.astype(config.param_dtype), params)
     return cls(config, params, _default_tokenizer(config), mesh)
 
+# %% ../nbs/04_lm.ipynb #b0635640
+OLD_QKV = "gptj/blocks/attn/qkv"   # in a checkpoint of an earlier meshtx, whose matrices were [in, out]
+
+@patch(cls_method=True)
+def _from_old_training(cls: LM, ck, step, config, dtype=None, compute_dtype=None, mesh=None) -> LM:
+    "The model of a `Trainer` checkpoint written before weight matrices were `[out, in]`: read, then rearranged."
+    old = {i["keys"][1]: {} for n, i in ck.tensors(step).items() if n.startswith("params/")}
+    for n, i in ck.tensors(step).items():
+        if n.startswith("params/"): old[i["keys"][1]][i["keys"][2]] = jax.ShapeDtypeStruct(tuple(i["shape"]), i["dtype"])
+    flat = {f"{m}/{p}": x for m, ps in ck.restore(step, {"params": old})[0]["params"].items() for p, x in ps.items()}
+    new = from_old_layout(flat)
+    params = {m: {p: jax.device_put(new[f"{m}/{p}"]) for p in ps} for m, ps in param_shapes(config).items()}
+    lm = cls(_with_dtype(config, dtype, compute_dtype), params, _default_tokenizer(config))
+    if dtype is not None: lm.params = jax.tree.map(lambda x: x.astype(lm.config.param_dtype), lm.params)
+    return lm.shard(mesh) if mesh is not None else lm
+
+# %% ../nbs/04_lm.ipynb #aebe919e
+def _one_cpu(x) -> bool:
+    return isinstance(x, jax.Array) and x.is_fully_addressable and len(x.devices()) == 1 and \
+        next(iter(x.devices())).platform == "cpu"
+
+def _layer_view(stack: jax.Array, i: int) -> jax.Array:
+    "Layer `i` of `stack` `[n_layer, ...]`: a device array over the same memory."
+    return jax.device_put(np.asarray(stack)[i], next(iter(stack.devices())))
+
+# %% ../nbs/04_lm.ipynb #ae681896
+def layer_views(params: dict) -> tuple[dict, list] | None:
+    "`split_layers(params)`, each layer a view of the stacked arrays' memory, if all are on one CPU device; else None."
+    stacks = [x for m, ps in params.items() if m.startswith(BLOCKS) for x in ps.values()]
+    if not stacks or not all(_one_cpu(x) for x in jax.tree.leaves(params)): return None
+    if len({next(iter(x.devices())) for x in stacks}) > 1: return None
+    if any(x.unsafe_buffer_pointer() % 64 or x.nbytes // x.shape[0] % 64 for x in stacks): return None   # would copy
+    return split_layers(params, _layer_view)
+
+# %% ../nbs/04_lm.ipynb #b6af01b5
+@patch
+def weights(self: LM) -> tuple[dict, list | None]:
+    "What the compiled functions take, read under `lm.lock`: `(params, None)`, or on one CPU device `layer_views(params)`."
+    return (layer_views(self.params) if self.mesh is None else None) or (self.params, None)
+
 # %% ../nbs/04_lm.ipynb #04096904
 @patch
 def _encode(self: LM, texts):
@@ -186,6 +216,7 @@ def _encode(self: LM, texts):
     for i, row in enumerate(ids): tokens[i, :len(row)] = row; mask[i, :len(row)] = 1
     return tokens, mask
 
+# %% ../nbs/04_lm.ipynb #2c9653f6
 @patch
 def logits(self: LM, tokens, attention_mask=None) -> jax.Array:
     "Float32 logits `[B, T, n_vocab]` for token ids `[B, T]` / `[T]`, or for a string or list of strings."
@@ -210,8 +241,28 @@ def logits(self: LM, tokens, attention_mask=None) -> jax.Array:
         put = lambda x: jax.device_put(x, batch_sharding(self.mesh, tokens.shape))
         tokens, attention_mask = put(tokens), None if attention_mask is None else put(attention_mask)
     with self.lock:
-        params, layers = self._weights()
+        params, layers = self.weights()
         return self._forward(params, tokens, attention_mask, layers=layers)
+
+# %% ../nbs/04_lm.ipynb #346d7457
+@patch
+def generate(self: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, top_p=None, repetition_penalty=None,
+             stop=None, seed=0, stream=False, logprobs=False, truncate=None, eos_token_id="auto", chunk=8):
+    """Continue each prompt (a string, token ids, or a list of either) by up to `max_new_tokens` tokens.
+    Options may be scalars or per-prompt lists; `temperature=0` is greedy; one `seed` gives row `i` the seed
+    `seed + i`. Each prompt must fit `n_ctx` with its own `max_new_tokens` (or is cut from the left, with
+    `truncate="left"`). With `stream=True`, returns an iterator of `(prompt index, new text)` pieces as they are
+    produced (`chunk` tokens per device call). `stop` (strings, token ids or token-id lists) ends a row at the token
+    that completes one. Strings are compared as text on the host every `chunk` steps, so that decoding ends there even
+    when the tokens spell them differently, and are cut from the text (as OpenAI's API does); token-id stops stay in
+    the text and in `tokens` (as Hugging Face's stop tokens do), except the end-of-text token, which is never text.
+    Returns a `Generation` (`texts`, `tokens`, `finish_reasons`, and `logprobs` if asked for), or with `stream=True` a
+    `Stream`. `top_k`/`top_p`/`repetition_penalty` None, `top_k` 0 or -1, and `top_p` 1 are off; `eos_token_id="auto"`
+    is `lm.eos_token_id`, None never stops there."""
+    from meshtx.sampling import generate   # the decoder, in the notebook after this one (which never imports `lm`)
+    return generate(self, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                    repetition_penalty=repetition_penalty, stop=stop, seed=seed, stream=stream, logprobs=logprobs,
+                    truncate=truncate, eos_token_id=eos_token_id, chunk=chunk)
 
 # %% ../nbs/04_lm.ipynb #a3d8d78f
 def _no_adapters(lm):
@@ -227,10 +278,11 @@ def save_hf(self: LM, path, dtype=None, max_shard_size="5GB", progress=True) -> 
     _check_target(path, "config.json", MESHTX_CONFIG, "a meshtx checkpoint")
     config = self.config if self.config.eos_token_id is not None else self.config.replace(eos_token_id=self.eos_token_id)
     def fill(d):
-        _write_hf(d, self.params, config, dtype, max_shard_size, progress)
+        write_hf(d, self.params, config, dtype, max_shard_size, progress)
         _save_tokenizer(self.tokenizer, d)
     with self.lock: return replace_dir(path, fill, owned=_OWNED)
 
+# %% ../nbs/04_lm.ipynb #f2c33961
 @patch
 def save(self: LM, path) -> Path:
     "Write meshtx's own checkpoint (meshtx_config.json, params.safetensors, tokenizer) into `path` (a directory or `gs://` URL)."
@@ -238,10 +290,11 @@ def save(self: LM, path) -> Path:
     if is_remote(path): return save_remote(path, MESHTX_CONFIG, self.save)
     _check_target(path, MESHTX_CONFIG, "config.json", "a Hugging Face checkpoint")
     def fill(d):
-        _write_params(d, self.params, self.config)
+        write_params(d, self.params, self.config)
         _save_tokenizer(self.tokenizer, d)
     with self.lock: return replace_dir(path, fill, owned=_OWNED)
 
+# %% ../nbs/04_lm.ipynb #48a1cc3e
 def _check_target(path, mine: str, other: str, what: str):
     """Refuse a directory holding a save in the other format (marker `other`: the two would sit side by side, and a
     load pick the old one), or files of someone else's and no earlier save of this format (marker `mine`) to replace."""
@@ -253,6 +306,7 @@ def _check_target(path, mine: str, other: str, what: str):
         raise FileExistsError(f"{path} holds other files ({', '.join(found[:4])}{', ...' if len(found) > 4 else ''}) and "
                               "no earlier save to replace: save into a new or empty directory")
 
+# %% ../nbs/04_lm.ipynb #a22cd48e
 _TOKENIZER_NAMES = TOKENIZER_FILES + ("merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
                                       "tokenizer.model")
 # what a save replaces: an earlier save's files, its tokenizer's too (they would load with the new weights)
@@ -261,8 +315,9 @@ _OWNED = "|".join([SAVE_FILES, *map(re.escape, _TOKENIZER_NAMES)])
 def _save_tokenizer(tokenizer, d: Path):
     "Save `tokenizer` (if any) into the new directory `d`; a full disk is an `OSError` naming the file."
     # tokenizers' own (Rust) writer of tokenizer.json fails with a bare Exception; Python's writes name their file
-    if tokenizer is not None: _writing(d / "tokenizer.json", tokenizer.save_pretrained, d)
+    if tokenizer is not None: write_file(d / "tokenizer.json", tokenizer.save_pretrained, d)
 
+# %% ../nbs/04_lm.ipynb #f1a1539d
 @patch(as_prop=True)
 def n_params(self: LM) -> int: return self.config.n_params
 
@@ -273,25 +328,3 @@ def shard(self: LM, mesh) -> LM:
     self.params, self.mesh = shard_params(self.params, mesh), mesh
     self._forward = jax.jit(gptj(self.config, activation_hint(mesh), self.lora).apply)
     return self
-
-# %% ../nbs/04_lm.ipynb #aebe919e
-def _one_cpu(x) -> bool:
-    return isinstance(x, jax.Array) and x.is_fully_addressable and len(x.devices()) == 1 and \
-        next(iter(x.devices())).platform == "cpu"
-
-def _layer_view(stack: jax.Array, i: int) -> jax.Array:
-    "Layer `i` of `stack` `[n_layer, ...]`: a device array over the same memory."
-    return jax.device_put(np.asarray(stack)[i], next(iter(stack.devices())))
-
-def layer_views(params: dict) -> tuple[dict, list] | None:
-    "`split_layers(params)`, each layer a view of the stacked arrays' memory, if all are on one CPU device; else None."
-    stacks = [x for m, ps in params.items() if m.startswith(BLOCKS) for x in ps.values()]
-    if not stacks or not all(_one_cpu(x) for x in jax.tree.leaves(params)): return None
-    if len({next(iter(x.devices())) for x in stacks}) > 1: return None
-    if any(x.unsafe_buffer_pointer() % 64 or x.nbytes // x.shape[0] % 64 for x in stacks): return None   # would copy
-    return split_layers(params, _layer_view)
-
-@patch
-def _weights(self: LM) -> tuple[dict, list | None]:
-    "What the compiled functions take: `(params, None)`, or on one CPU device `layer_views(params)`."
-    return (layer_views(self.params) if self.mesh is None else None) or (self.params, None)

@@ -14,8 +14,8 @@ from fastcore.basics import patch
 from .config import ModelConfig, LoRAConfig
 from .model import gptj
 from .lm import LM
-from .weights import replace_dir, recover_dir, _writing, _load_json, _safe_open
-from .data import is_remote, fetch_dir, save_remote
+from .weights import open_safetensors
+from .storage import replace_dir, recover_dir, write_file, read_json, is_remote, fetch_dir, save_remote
 
 # %% auto #0
 __all__ = ['LORA_FILE', 'LORA_CONFIG', 'is_adapter', 'split_adapters', 'join', 'init_lora', 'merge_adapters']
@@ -102,17 +102,18 @@ def save_adapters(self: LM, path) -> Path:
                    for m, ps in split_adapters(self.params)[1].items() for p, x in ps.items()}
     meta = json.dumps({"lora": self.lora.to_dict(), "model": self.config.to_dict()}, indent=2)
     def fill(d):
-        _writing(d / LORA_FILE, save_file, tensors, d / LORA_FILE)
-        _writing(d / LORA_CONFIG, (d / LORA_CONFIG).write_text, meta)
+        write_file(d / LORA_FILE, save_file, tensors, d / LORA_FILE)
+        write_file(d / LORA_CONFIG, (d / LORA_CONFIG).write_text, meta)
     return replace_dir(path, fill)
 
+# %% ../nbs/07a_lora.ipynb #175d240c
 @patch
 def load_adapters(self: LM, path) -> LM:
     "Attach the adapters saved in `path` to this (adapter-free) model, in place; returns the model."
     path = fetch_dir(path, progress=False) if is_remote(path) else recover_dir(Path(path))   # (put back if a save was killed)
     if not (path / LORA_CONFIG).exists(): raise FileNotFoundError(f"{path} holds no LoRA adapters ({LORA_CONFIG} is missing)")
     if self.lora is not None: raise ValueError("this model already has LoRA adapters; merge them first")
-    meta = _load_json(path / LORA_CONFIG)
+    meta = read_json(path / LORA_CONFIG, what="LoRA adapters")
     if not {"lora", "model"} <= meta.keys(): raise ValueError(f"{path / LORA_CONFIG} lacks \"lora\" or \"model\": not meshtx adapters")
     lora, saved_for = LoRAConfig.from_dict(meta["lora"]), ModelConfig.from_dict(meta["model"])
     shape = ("n_layer", "d_model", "n_head", "d_head", "d_ff", "n_vocab")
@@ -121,7 +122,7 @@ def load_adapters(self: LM, path) -> LM:
         raise ValueError(f"the adapters in {path} were trained for another model shape (saved vs this model: {diff})")
     expected = split_adapters(jax.eval_shape(lambda k: gptj(self.config, lora=lora).init(k, jnp.zeros((1, 1), jnp.int32)),
                                              jax.random.key(0)))[1]
-    with _safe_open(path / LORA_FILE) as f: tensors = {k: f.get_tensor(k) for k in f.keys()}   # a damaged file is named
+    with open_safetensors(path / LORA_FILE) as f: tensors = {k: f.get_tensor(k) for k in f.keys()}   # a damaged file is named
     adapters = {}
     for m, ps in expected.items():
         for p, x in ps.items():

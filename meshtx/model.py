@@ -16,18 +16,20 @@ import optax
 from .config import ModelConfig, LoRAConfig
 
 # %% auto #0
-__all__ = ['REMAT_POLICY', 'BLOCKS', 'LOSS_ROWS', 'rotary_angles', 'apply_rotary', 'cpu_mixed_products', 'einsum32', 'attend',
-           'self_attention', 'cache_dtype', 'KVCache', 'attend_cached', 'cache_read', 'low_rank', 'lora_update',
-           'dense', 'linear', 'layer_norm', 'gelu_new', 'no_hint', 'block', 'add_bias', 'split_layers', 'remat_in_turn',
-           'run_layers', 'GPTJ', 'gptj', 'init_params', 'param_shapes', 'cross_entropy', 'fused_cross_entropy']
+__all__ = ['REMAT_POLICY', 'LOSS_ROWS', 'BLOCKS', 'rotary_angles', 'apply_rotary', 'einsum32', 'attend', 'self_attention',
+           'dense', 'low_rank', 'lora_update', 'linear', 'layer_norm', 'gelu_new', 'no_hint', 'block', 'add_bias',
+           'lm_head', 'scan_blocks', 'GPTJ', 'gptj', 'init_params', 'param_shapes', 'cpu_mixed_products',
+           'cross_entropy', 'n_loss_chunks', 'fused_cross_entropy', 'cache_dtype', 'KVCache', 'attend_cached',
+           'cache_read', 'split_layers', 'remat_in_turn', 'run_layers']
 
-# %% ../nbs/01_model.ipynb #3d5d82b2
+# %% ../nbs/01_model.ipynb #63414cbc
 def rotary_angles(positions: jax.Array, rotary_dim: int, base: float = 10000.0):
     "`(sin, cos)` of the rotation angles for integer `positions` `[B, T]`: each `[B, T, rotary_dim // 2]`, float32."
     inv_freq = 1.0 / (base ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.sin(angles), jnp.cos(angles)
 
+# %% ../nbs/01_model.ipynb #9fab8e98
 def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
     "Rotate adjacent pairs `(2i, 2i+1)` of the first `2 * sin.shape[-1]` features of each head of `x` `[B, T, H, d]`."
     r = 2 * sin.shape[-1]
@@ -37,32 +39,14 @@ def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
     rotated = jnp.stack([even * c - odd * s, odd * c + even * s], axis=-1).reshape(rot.shape)
     return jnp.concatenate([rotated.astype(x.dtype), rest], axis=-1)
 
-# %% ../nbs/01_model.ipynb #bc2ffd98
-_PRODUCTS = (("...i,oi->...o", (1, 3, 8), (4, 8)), ("...o,...i->oi", (1, 3, 4), (1, 3, 8)), ("...o,oi->...i", (1, 3, 4), (4, 8)),
-             ("bthd,bshd->bhts", (1, 3, 2, 4), (1, 3, 2, 4)), ("bhts,bshd->bhtd", (1, 2, 3, 3), (1, 3, 2, 4)),
-             ("bthd,bhsd->bhts", (1, 3, 2, 4), (1, 2, 5, 4)), ("bhts,bhsd->bhtd", (1, 2, 3, 5), (1, 2, 5, 4)),
-             ("nbhtd,nbhsd->nbhts", (2, 1, 2, 3, 4), (2, 1, 2, 5, 4)), ("nbhts,nbhsd->nbhtd", (2, 1, 2, 3, 5), (2, 1, 2, 5, 4)),
-             ("btv,btd->vd", (1, 3, 6), (1, 3, 8)), ("bt,btv->v", (1, 3), (1, 3, 6)))
-
-@cache
-def cpu_mixed_products() -> bool:
-    "Whether this jaxlib's CPU backend multiplies bf16 by bf16 into float32 in every product the model uses."
-    with jax.ensure_compile_time_eval():   # run now, even when asked while a model is being traced
-        ones = lambda shape: jax.device_put(jnp.ones(shape, jnp.bfloat16), jax.devices("cpu")[0])
-        args = [(ones(a), ones(b)) for _, a, b in _PRODUCTS]
-        products = lambda args: [jnp.einsum(s, a, b, preferred_element_type=jnp.float32) for (s, _, _), (a, b) in zip(_PRODUCTS, args)]
-        try:
-            [np.asarray(r) for r in jax.jit(products)(args)]   # one small program, once; the error shows on reading
-            return True
-        except Exception: return False   # jaxlib 0.7: "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"
-
+# %% ../nbs/01_model.ipynb #009772ce
 def einsum32(spec: str, a, b):
     "`jnp.einsum(spec, a, b)` accumulated in float32, from the inputs' own dtype (widened first on a CPU that cannot)."
     if (a.dtype, b.dtype) != (jnp.float32,) * 2 and jax.default_backend() == "cpu" and not cpu_mixed_products():
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
-# %% ../nbs/01_model.ipynb #eb2289ca
+# %% ../nbs/01_model.ipynb #1c5e77cb
 def _scores(q, k, mask):
     s = einsum32("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
     return jnp.where(mask[:, None], s, jnp.finfo(jnp.float32).min)
@@ -79,6 +63,7 @@ def _attend_fwd(q, k, v, mask):
     l = p.sum(-1, keepdims=True)
     return jnp.einsum("bhts,bshd->bthd", (p / l).astype(v.dtype), v), (q, k, v, mask, m, l)
 
+# %% ../nbs/01_model.ipynb #a3d40df4
 def _attend_bwd(saved, do):
     q, k, v, mask, m, l = saved
     p = jnp.exp(_scores(q, k, mask) - m) / l                                   # the softmax weights again
@@ -112,104 +97,25 @@ def _causal_blocks(T: int) -> int:
     "How many query blocks causal attention over `T` tokens is split into: 4 or 2 blocks of at least 128 queries, else 1."
     return next((n for n in (4, 2) if T % n == 0 and T // n >= 128), 1)
 
-# %% ../nbs/01_model.ipynb #fdbeb919
-def cache_dtype(config: ModelConfig, backend: str | None = None) -> str:
-    """The KV cache's default dtype: the compute dtype, except float32 on the CPU (JAX's backend by default), whose XLA
-    widens a bf16 cache to float32 for every write: 1.4 GB of copies to prefill 16 prompts into GPT-J-6B's cache."""
-    return "float32" if (backend or jax.default_backend()) == "cpu" else config.compute_dtype
-
-def _chunk_size(max_len: int, most: int = 256) -> int:
-    "The largest power of two ≤ `most` dividing `max_len`: the cache's chunk length."
-    return math.gcd(max_len, most)
-
-class KVCache(NamedTuple):
-    "Keys and values of every block for the tokens seen so far."
-    k: jax.Array         # [n_layer, n_chunks, B, n_head, chunk, d_head], rotated keys; slot s = chunk s // chunk, row s % chunk
-    v: jax.Array         # [n_layer, n_chunks, B, n_head, chunk, d_head]
-    valid: jax.Array     # [B, max_len] bool: the slot holds a real (non-padding) token
-    length: jax.Array    # int32 []: slots written so far (the same for every row)
-    next_pos: jax.Array  # int32 [B]: position the next real token of each row gets
-
-    @classmethod
-    def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-        "An empty cache of `max_len` slots, in `dtype` (default: `cache_dtype(config)`)."
-        dtype, C = jnp.dtype(dtype or cache_dtype(config)), _chunk_size(max_len)
-        shape = (config.n_layer, max_len // C, batch, config.n_head, C, config.d_head)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, max_len), bool),
-                   jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32))
-
-    @property
-    def chunk(self) -> int: return self.k.shape[4]
-    @property
-    def max_len(self) -> int: return self.k.shape[1] * self.k.shape[4]
-
-    def write(self, k: jax.Array, v: jax.Array, live: jax.Array) -> KVCache:
-        """Store every block's new keys and values `[n_layer, B, n_head, T, d_head]` at slots `[length, length + T)`
-        (in place when the cache is donated); `live` `[B, T]` marks which new tokens are real."""
-        T, C, at = k.shape[3], self.chunk, self.length
-        if T == 1:   # decoding: one slot, one dynamic_update_slice
-            put = lambda buf, x: jax.lax.dynamic_update_slice(buf, x[:, None].astype(buf.dtype), (0, at // C, 0, 0, at % C, 0))
-        else:        # a prompt may span chunks: scatter slot by slot
-            s = at + jnp.arange(T)
-            put = lambda buf, x: buf.at[:, s // C, :, :, s % C].set(x.transpose(3, 0, 1, 2, 4).astype(buf.dtype),
-                                                                      indices_are_sorted=True, unique_indices=True)
-        return KVCache(put(self.k, k), put(self.v, v), jax.lax.dynamic_update_slice(self.valid, live, (0, at)),
-                       at + T, self.next_pos + live.sum(1, dtype=jnp.int32))
-
-# %% ../nbs/01_model.ipynb #067bcad6
-def attend_cached(q, k, v, mask, cache: KVCache, layer, read: str = "chunks") -> jax.Array:
-    """Attention of new tokens q/k/v `[B, T, H, d]` (mask `[B, T, T]`) that also sees block `layer`'s valid cached
-    slots `[0, cache.length)`, read chunk by chunk with an online softmax. Same result as `attend` over both.
-    With `read="all"`, a single new token (`T == 1`) reads every slot instead, masked, in one softmax."""
-    f32, scale = jnp.float32, 1 / math.sqrt(q.shape[-1])
-    B, T, H, d = q.shape
-    floor = jnp.finfo(f32).min
-    s = _scores(q, k, mask)                                # the new tokens among themselves
-    if read == "all" and T == 1: return _attend_all_slots(q, v, s, cache, layer)
-    m = s.max(-1)                                          # running max     [B, H, T]
-    p = jnp.exp(s - m[..., None])
-    l = p.sum(-1)                                          # running sum     [B, H, T]
-    o = einsum32("bhts,bshd->bhtd", p.astype(v.dtype), v)   # running output
-    C = cache.chunk
-    def chunk(c, carry):
-        m, l, o = carry
-        kc, vc = (jax.lax.dynamic_slice(x, (layer, c, 0, 0, 0, 0), (1, 1, B, H, C, d))[0, 0] for x in (cache.k, cache.v))
-        ok = jax.lax.dynamic_slice(cache.valid, (0, c * C), (B, C))
-        sc = einsum32("bthd,bhsd->bhts", q, kc.astype(q.dtype)) * scale
-        sc = jnp.where(ok[:, None, None, :], sc, floor)
-        m_new = jnp.maximum(m, sc.max(-1))
-        pc = jnp.exp(sc - m_new[..., None])
-        fix = jnp.exp(m - m_new)
-        o = o * fix[..., None] + einsum32("bhts,bhsd->bhtd", pc.astype(v.dtype), vc.astype(v.dtype))
-        return m_new, l * fix + pc.sum(-1), o
-    n = (cache.length + C - 1) // C
-    m, l, o = jax.lax.fori_loop(0, n, chunk, (m, l, o))
-    return (o / l[..., None]).astype(v.dtype).transpose(0, 2, 1, 3)
-
-def _attend_all_slots(q, v, s, cache: KVCache, layer) -> jax.Array:
-    """One softmax over all of block `layer`'s cached slots (invalid ones masked) and the new tokens' scores `s`.
-    The cache's chunk axis is a batch axis of both products, so neither transposes the cache."""
-    f32, (B, T, H, d), (n, C) = jnp.float32, q.shape, cache.k.shape[1:5:3]
-    kl, vl = cache.k[layer].astype(q.dtype), cache.v[layer].astype(v.dtype)          # [n_chunks, B, H, chunk, d]
-    qn = jnp.broadcast_to(q.transpose(0, 2, 1, 3)[None], (n, B, H, T, d))
-    sc = einsum32("nbhtd,nbhsd->nbhts", qn, kl) / math.sqrt(d)
-    ok = cache.valid.reshape(B, n, C).transpose(1, 0, 2)[:, :, None, None, :]      # [n_chunks, B, 1, 1, chunk]
-    sc = jnp.where(ok, sc, jnp.finfo(f32).min)
-    m = jnp.maximum(sc.max((0, 4)), s.max(-1))                                      # [B, H, T]
-    pc, pn = jnp.exp(sc - m[..., None]), jnp.exp(s - m[..., None])
-    l = pc.sum((0, 4)) + pn.sum(-1)
-    o = einsum32("nbhts,nbhsd->nbhtd", pc.astype(v.dtype), vl).sum(0)
-    o = o + einsum32("bhts,bshd->bhtd", pn.astype(v.dtype), v)
-    return (o / l[..., None]).astype(v.dtype).transpose(0, 2, 1, 3)
-
-def cache_read(cfg: ModelConfig) -> str:
-    """How a decoding step reads the KV cache: `cfg.cache_read`, with "auto" resolved for JAX's backend ("all" on GPUs)."""
-    if cfg.cache_read != "auto": return cfg.cache_read
-    return "all" if jax.default_backend() == "gpu" else "chunks"
-
-# %% ../nbs/01_model.ipynb #f9abf803
+# %% ../nbs/01_model.ipynb #43161d66
 def _normal(std=0.02): return hk.initializers.RandomNormal(std)
 
+def _param(name, shape, cfg, init=_normal()):
+    return hk.get_parameter(name, shape, jnp.dtype(cfg.param_dtype), init=init).astype(cfg.compute_dtype)
+
+@jax.custom_vjp
+def dense(x, w):
+    "`x @ wᵀ` for a weight `w` `[n_out, n_in]` (`torch.nn.Linear`'s layout), accumulated in float32, in `x`'s dtype."
+    return einsum32("...i,oi->...o", x, w).astype(x.dtype)
+
+def _dense_bwd(res, g):   # both products from the inputs' own dtype (bf16), accumulated in float32
+    x, w = res
+    return (einsum32("...o,oi->...i", g, w).astype(x.dtype),
+            einsum32("...o,...i->oi", g, x).astype(w.dtype))
+
+dense.defvjp(lambda x, w: (dense(x, w), (x, w)), _dense_bwd)
+
+# %% ../nbs/01_model.ipynb #775ae554
 @jax.custom_vjp
 def low_rank(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
     "`(x @ a) @ b` for `x` `[..., n_in]`, `a` `[n_in, r]`, `b` `[r, n_out]`; the backward pass transposes only `[tokens, r]` arrays."
@@ -227,9 +133,7 @@ def _low_rank_bwd(res, g):
 
 low_rank.defvjp(_low_rank_fwd, _low_rank_bwd)
 
-def _param(name, shape, cfg, init=_normal()):
-    return hk.get_parameter(name, shape, jnp.dtype(cfg.param_dtype), init=init).astype(cfg.compute_dtype)
-
+# %% ../nbs/01_model.ipynb #84d847d3
 def lora_update(x, target: str, n_out: int, cfg: ModelConfig, lora: LoRAConfig | None):
     "`scale · (x @ A) @ B`, the low-rank update of weight `target` (params `lora_{target}_a/b`), or 0 without an adapter."
     if lora is None or target not in lora.targets: return 0
@@ -239,18 +143,7 @@ def lora_update(x, target: str, n_out: int, cfg: ModelConfig, lora: LoRAConfig |
     b = hk.get_parameter(f"lora_{target}_b", (lora.rank, n_out), jnp.float32, init=jnp.zeros).astype(cfg.compute_dtype)
     return low_rank(x, a, b * jnp.asarray(lora.scale, cfg.compute_dtype))
 
-@jax.custom_vjp
-def dense(x, w):
-    "`x @ wᵀ` for a weight `w` `[n_out, n_in]` (`torch.nn.Linear`'s layout), accumulated in float32, in `x`'s dtype."
-    return einsum32("...i,oi->...o", x, w).astype(x.dtype)
-
-def _dense_bwd(res, g):   # both products from the inputs' own dtype (bf16), accumulated in float32
-    x, w = res
-    return (einsum32("...o,oi->...i", g, w).astype(x.dtype),
-            einsum32("...o,...i->oi", g, x).astype(w.dtype))
-
-dense.defvjp(lambda x, w: (dense(x, w), (x, w)), _dense_bwd)
-
+# %% ../nbs/01_model.ipynb #042361e7
 def linear(x, n_out: int, cfg: ModelConfig, name: str, lora: LoRAConfig | None = None):
     "`x @ wᵀ + b` with `w` `[n_out, n_in]` and bias `b`, in the compute dtype (plus a LoRA update if `lora` targets `name`)."
     with hk.name_scope(name):
@@ -315,52 +208,41 @@ def add_bias(y: jax.Array, b: jax.Array) -> jax.Array:
 add_bias.defvjp(lambda y, b: (y + b, None),
                 lambda _, g: (g, jnp.einsum("bt,btv->v", jnp.ones(g.shape[:2], g.dtype), g)))
 
-# %% ../nbs/01_model.ipynb #4d8b35dd
-BLOCKS = "gptj/blocks/"   # the stacked blocks' modules, `[n_layer, ...]` parameters
+# %% ../nbs/01_model.ipynb #7b1a0e30
+def lm_head(x, cfg: ModelConfig, hint=no_hint, logits_to_keep: int = 0, targets=None, loss_mask=None):
+    """The final LayerNorm and the lm head on `x` `[B, T, D]`: float32 logits `[B, T, n_vocab]` (of the last
+    `logits_to_keep` positions, if asked), or, given `targets`, the mean cross-entropy over `loss_mask`, without logits."""
+    B, T = x.shape[:2]
+    if logits_to_keep: x = x[:, -logits_to_keep:]   # e.g. 1 when a prompt only needs its next token
+    h = layer_norm(x, cfg, "ln_f")
+    with hk.name_scope("lm_head"):
+        w = _param("w", (cfg.n_vocab, cfg.d_model), cfg)
+        b = hk.get_parameter("b", (cfg.n_vocab,), jnp.dtype(cfg.param_dtype), init=jnp.zeros)
+    if targets is not None:   # training: the mean cross-entropy, without materialising the logits
+        weights = jnp.ones((B, T), jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
+        rows = LOSS_ROWS * getattr(hint, "batch_shards", 1)   # a chunk of LOSS_ROWS tokens per device
+        return fused_cross_entropy(h, w, b, targets, weights / jnp.maximum(weights.sum(), 1.0), hint, rows)
+    return hint(add_bias(einsum32("btd,vd->btv", h, w), b.astype(jnp.float32)), "logits")
 
-def split_layers(params: dict, take=lambda stack, i: stack[i]) -> tuple[dict, list[dict]]:
-    "`params` without the blocks', and the blocks' as one dict per layer (`take(stack, i)` cuts layer `i` out)."
-    outer = {m: ps for m, ps in params.items() if not m.startswith(BLOCKS)}
-    blocks = {m[len(BLOCKS):]: ps for m, ps in params.items() if m.startswith(BLOCKS)}
-    n = next(iter(next(iter(blocks.values())).values())).shape[0]
-    return outer, [{m: {p: take(x, i) for p, x in ps.items()} for m, ps in blocks.items()} for i in range(n)]
-
-_block = hk.without_apply_rng(hk.transform(block))   # one block, as a pure function of one layer's weights
-
-def remat_in_turn(f):
-    """`f(p, x)`, rematerialized: its backward pass recomputes `f` from `(p, x)` only once the gradient of `f`'s output
-    has arrived. (In an unrolled loop, XLA runs a plain `jax.checkpoint`'s recomputations whenever it likes, all of them
-    early, and then holds every block's intermediates at once: remat saved nothing. XLA's CPU compiler also drops an
-    `optimization_barrier` before it schedules, so the order is made a data dependency: `x + 0 · ct[0]`, which float
-    arithmetic may not simplify away.)"""
-    @jax.custom_vjp
-    def g(p, x): return f(p, x)
-    def bwd(res, ct):
-        p, x, ct = jax.lax.optimization_barrier((*res, ct))   # recompute after `ct`, not before (GPU, TPU)
-        x = x + (ct[(0,) * ct.ndim] * 0).astype(x.dtype)      # the same, where the barrier is dropped (CPU)
-        return jax.vjp(f, p, x)[1](ct)
-    g.defvjp(lambda p, x: (f(p, x), (p, x)), bwd)
-    return g
-
-def run_layers(layers: list, x, sin, cos, live, attention_mask, cache, cfg, hint=no_hint, lora=None):
-    "The blocks on `x`, in a loop over `layers` (each one layer's weights): the new `x` and the updated cache (or None)."
+# %% ../nbs/01_model.ipynb #396a3906
+def scan_blocks(x, sin, cos, live, attention_mask, cache, cfg: ModelConfig, hint=no_hint, lora=None):
+    """The blocks on `x`, as one `hk.layer_stack` (a `scan`) over their stacked `[n_layer, ...]` weights (`blocks/...`):
+    the new `x` and the updated cache (or None)."""
     T = x.shape[1]
-    mask = None if cache is None and attention_mask is None else jnp.tril(jnp.ones((T, T), bool))[None] & live[:, None, :]
-    run = lambda p, x, i: _block.apply(p, x, sin, cos, mask, cfg, cache, i, hint=hint, lora=lora)
-    if cache is None:   # no cache: only x goes on (remat: "nothing" in turn; "dots" keeps the products, as in the scan)
-        step = lambda p, x, i: run(p, x, i)[0]
-        if cfg.remat and cfg.remat_policy == "nothing": step = lambda p, x, i, f=step: remat_in_turn(partial(f, i=i))(p, x)
-        elif cfg.remat: step = jax.checkpoint(step, policy=REMAT_POLICY[cfg.remat_policy], static_argnums=2)
-        for i, p in enumerate(layers): x = step(p, x, i)
-        return x, None
-    kv = []
-    for i, p in enumerate(layers):
-        x, new = run(p, x, i)
-        kv.append(new)
-    k, v = (jnp.stack([n[j].astype(cache.k.dtype) for n in kv]) for j in (0, 1))
-    return x, cache.write(k, v, live)
+    if cache is None:
+        mask = None if attention_mask is None else jnp.tril(jnp.ones((T, T), bool))[None] & live[:, None, :]
+        def body(x):
+            return block(x, sin, cos, mask, cfg, hint=hint, lora=lora)[0]
+        if cfg.remat: body = hk.remat(body, policy=REMAT_POLICY[cfg.remat_policy])
+        return hk.layer_stack(cfg.n_layer, name="blocks")(body)(x), None
+    mask = jnp.tril(jnp.ones((T, T), bool))[None] & live[:, None, :]   # new tokens see the valid cached slots, and each other causally
+    def body(x, layer):
+        x, (k, v) = block(x, sin, cos, mask, cfg, cache, layer, hint=hint, lora=lora)
+        return x, (k.astype(cache.k.dtype), v.astype(cache.v.dtype))
+    x, (k, v) = hk.layer_stack(cfg.n_layer, with_per_layer_inputs=True, name="blocks")(body)(x, jnp.arange(cfg.n_layer))
+    return x, cache.write(k, v, live)   # all layers' new keys and values, written in place once
 
-# %% ../nbs/01_model.ipynb #b107c687
+# %% ../nbs/01_model.ipynb #f867f088
 class GPTJ(hk.Module):
     """GPT-J: `tokens [B, T]` → float32 `logits [B, T, n_vocab]` (`[B, logits_to_keep, n_vocab]` when asked; and an updated
     cache when given one). Given `targets [B, T]` instead, the mean cross-entropy over `loss_mask`, without logits."""
@@ -376,45 +258,13 @@ class GPTJ(hk.Module):
         first = jnp.zeros((B,), jnp.int32) if cache is None else cache.next_pos
         positions = first[:, None] + jnp.cumsum(live, axis=1, dtype=jnp.int32) - 1
         sin, cos = rotary_angles(jnp.maximum(positions, 0), cfg.rotary_dim)
-
         with hk.name_scope("wte"):
             x = self.hint(jnp.take(_param("embedding", (cfg.n_vocab, cfg.d_model), cfg), tokens, axis=0), "act")
-
-        if layers is not None:   # the blocks' weights one layer at a time (`split_layers`): a loop, no stack
-            x, new_cache = run_layers(layers, x, sin, cos, live, attention_mask, cache, cfg, self.hint, self.lora)
-        elif cache is None:
-            mask = None if attention_mask is None else jnp.tril(jnp.ones((T, T), bool))[None] & live[:, None, :]
-            def body(x):
-                return block(x, sin, cos, mask, cfg, hint=self.hint, lora=self.lora)[0]
-            if cfg.remat: body = hk.remat(body, policy=REMAT_POLICY[cfg.remat_policy])
-            x = hk.layer_stack(cfg.n_layer, name="blocks")(body)(x)
-            new_cache = None
-        else:   # new tokens see the valid cached slots, and each other causally
-            mask = jnp.tril(jnp.ones((T, T), bool))[None] & live[:, None, :]
-            def body(x, layer):
-                x, (k, v) = block(x, sin, cos, mask, cfg, cache, layer, hint=self.hint, lora=self.lora)
-                return x, (k.astype(cache.k.dtype), v.astype(cache.v.dtype))
-            x, (k, v) = hk.layer_stack(cfg.n_layer, with_per_layer_inputs=True, name="blocks")(body)(
-                x, jnp.arange(cfg.n_layer))
-            new_cache = cache.write(k, v, live)   # all layers' new keys and values, written in place once
-
-        return self.head(x, logits_to_keep, targets, loss_mask, new_cache)
-
-    @hk.transparent   # its parameters are the model's own (`gptj/lm_head`), not a `~head` scope's
-    def head(self, x, logits_to_keep, targets, loss_mask, new_cache):
-        "The final LayerNorm and the lm head: logits (with the cache), or the loss of `targets`."
-        cfg, (B, T) = self.cfg, x.shape[:2]
-        if logits_to_keep: x = x[:, -logits_to_keep:]   # e.g. 1 when a prompt only needs its next token
-        h = layer_norm(x, cfg, "ln_f")
-        with hk.name_scope("lm_head"):
-            w = _param("w", (cfg.n_vocab, cfg.d_model), cfg)
-            b = hk.get_parameter("b", (cfg.n_vocab,), jnp.dtype(cfg.param_dtype), init=jnp.zeros)
-        if targets is not None:   # training: the mean cross-entropy, without materialising the logits
-            weights = jnp.ones((B, T), jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
-            rows = LOSS_ROWS * getattr(self.hint, "batch_shards", 1)   # a chunk of LOSS_ROWS tokens per device
-            return fused_cross_entropy(h, w, b, targets, weights / jnp.maximum(weights.sum(), 1.0), self.hint, rows)
-        logits = self.hint(add_bias(einsum32("btd,vd->btv", h, w), b.astype(jnp.float32)), "logits")
-        return logits if new_cache is None else (logits, new_cache)
+        # `layers`: the blocks' weights one layer at a time (`split_layers`, below), run in a loop, no stack
+        blocks = scan_blocks if layers is None else partial(run_layers, layers)
+        x, new_cache = blocks(x, sin, cos, live, attention_mask, cache, cfg, self.hint, self.lora)
+        out = lm_head(x, cfg, self.hint, logits_to_keep, targets, loss_mask)
+        return out if new_cache is None or targets is not None else (out, new_cache)
 
 # %% ../nbs/01_model.ipynb #caf01be8
 def gptj(config: ModelConfig, hint=no_hint, lora: LoRAConfig | None = None) -> hk.Transformed:
@@ -435,6 +285,25 @@ def param_shapes(config: ModelConfig) -> dict:
     "The parameter tree as `jax.ShapeDtypeStruct`s, computed without allocating anything."
     return jax.eval_shape(gptj(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
 
+# %% ../nbs/01_model.ipynb #36752527
+_PRODUCTS = (("...i,oi->...o", (1, 3, 8), (4, 8)), ("...o,...i->oi", (1, 3, 4), (1, 3, 8)), ("...o,oi->...i", (1, 3, 4), (4, 8)),
+             ("bthd,bshd->bhts", (1, 3, 2, 4), (1, 3, 2, 4)), ("bhts,bshd->bhtd", (1, 2, 3, 3), (1, 3, 2, 4)),
+             ("bthd,bhsd->bhts", (1, 3, 2, 4), (1, 2, 5, 4)), ("bhts,bhsd->bhtd", (1, 2, 3, 5), (1, 2, 5, 4)),
+             ("nbhtd,nbhsd->nbhts", (2, 1, 2, 3, 4), (2, 1, 2, 5, 4)), ("nbhts,nbhsd->nbhtd", (2, 1, 2, 3, 5), (2, 1, 2, 5, 4)),
+             ("btv,btd->vd", (1, 3, 6), (1, 3, 8)), ("bt,btv->v", (1, 3), (1, 3, 6)))
+
+@cache
+def cpu_mixed_products() -> bool:
+    "Whether this jaxlib's CPU backend multiplies bf16 by bf16 into float32 in every product the model uses."
+    with jax.ensure_compile_time_eval():   # run now, even when asked while a model is being traced
+        ones = lambda shape: jax.device_put(jnp.ones(shape, jnp.bfloat16), jax.devices("cpu")[0])
+        args = [(ones(a), ones(b)) for _, a, b in _PRODUCTS]
+        products = lambda args: [jnp.einsum(s, a, b, preferred_element_type=jnp.float32) for (s, _, _), (a, b) in zip(_PRODUCTS, args)]
+        try:
+            [np.asarray(r) for r in jax.jit(products)(args)]   # one small program, once; the error shows on reading
+            return True
+        except Exception: return False   # jaxlib 0.7: "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"
+
 # %% ../nbs/01_model.ipynb #8e385857
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     "Mean cross-entropy of integer `targets` `[B, T]` under float `logits` `[B, T, V]`, over `mask`ed positions."
@@ -443,7 +312,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None 
     mask = mask.astype(jnp.float32)
     return (nll * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
-# %% ../nbs/01_model.ipynb #f11968c8
+# %% ../nbs/01_model.ipynb #b54e2756
 LOSS_ROWS = 512   # tokens per chunk of the fused loss: the fastest of 256 to 2,048 on the CPU benchmark (below)
 
 def _loss_chunk(h, w, b, targets, weights, hint, grads: bool):
@@ -462,26 +331,30 @@ def _loss_chunk(h, w, b, targets, weights, hint, grads: bool):
     db = einsum32("bt,btv->v", jnp.ones(dlogits.shape[:2], dlogits.dtype), dlogits)
     return loss, dh, dw, db
 
+# %% ../nbs/01_model.ipynb #b89144e4
 def _chunked(x, n):   # [B, T, ...] -> [n, B, T/n, ...]
     return jnp.moveaxis(x.reshape(x.shape[0], n, x.shape[1] // n, *x.shape[2:]), 1, 0)
 
-def _n_chunks(B: int, T: int, rows: int) -> int:
-    "The fewest chunks along T, dividing it, holding at most `rows` tokens of the batch each (when T allows)."
+def n_loss_chunks(B: int, T: int, rows: int) -> int:
+    """How many chunks `fused_cross_entropy` cuts a `[B, T]` batch into along `T`: the fewest that divide `T` and hold at
+    most `rows` of its tokens each (at most `T`: one position per chunk, even when that is more than `rows` tokens)."""
     n = max(1, -(-B * T // rows))
     while T % n and n < T: n += 1
     return min(n, T)
 
+# %% ../nbs/01_model.ipynb #a7ef3712
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def fused_cross_entropy(h, w, b, targets, weights, hint=no_hint, rows: int = LOSS_ROWS):
     """`Σ weights · nll` of integer `targets` `[B, T]` under the logits `h @ wᵀ + b` (`h` `[B, T, d]`, `w` `[V, d]`), in
     chunks of at most `rows` tokens, never materialising `[B, T, V]`. `weights` `[B, T]` float (e.g. `1/(B·T)`)."""
-    n = _n_chunks(*targets.shape, rows)
+    n = n_loss_chunks(*targets.shape, rows)
     if n == 1: return _loss_chunk(h, w, b, targets, weights, hint, False)
     chunk = lambda total, xs: (total + _loss_chunk(xs[0], w, b, xs[1], xs[2], hint, False), None)
     return jax.lax.scan(chunk, jnp.zeros((), jnp.float32), tuple(_chunked(x, n) for x in (h, targets, weights)))[0]
 
+# %% ../nbs/01_model.ipynb #3fd1b135
 def _fce_fwd(h, w, b, targets, weights, hint, rows):
-    n = _n_chunks(*targets.shape, rows)
+    n = n_loss_chunks(*targets.shape, rows)
     if n == 1:
         loss, dh, dw, db = _loss_chunk(h, w, b, targets, weights, hint, True)
     else:
@@ -497,3 +370,147 @@ def _fce_bwd(hint, rows, res, g):
     return tuple(d * g.astype(d.dtype) for d in res) + (None, None)
 
 fused_cross_entropy.defvjp(_fce_fwd, _fce_bwd)
+
+# %% ../nbs/01_model.ipynb #385f3b89
+def cache_dtype(config: ModelConfig, backend: str | None = None) -> str:
+    """The KV cache's default dtype: the compute dtype, except float32 on the CPU (JAX's backend by default), whose XLA
+    widens a bf16 cache to float32 for every write: 1.4 GB of copies to prefill 16 prompts into GPT-J-6B's cache."""
+    return "float32" if (backend or jax.default_backend()) == "cpu" else config.compute_dtype
+
+def _chunk_size(max_len: int, most: int = 256) -> int:
+    "The largest power of two ≤ `most` dividing `max_len`: the cache's chunk length."
+    return math.gcd(max_len, most)
+
+# %% ../nbs/01_model.ipynb #d2cbe66b
+class KVCache(NamedTuple):
+    "Keys and values of every block for the tokens seen so far."
+    k: jax.Array         # [n_layer, n_chunks, B, n_head, chunk, d_head], rotated keys; slot s = chunk s // chunk, row s % chunk
+    v: jax.Array         # [n_layer, n_chunks, B, n_head, chunk, d_head]
+    valid: jax.Array     # [B, max_len] bool: the slot holds a real (non-padding) token
+    length: jax.Array    # int32 []: slots written so far (the same for every row)
+    next_pos: jax.Array  # int32 [B]: position the next real token of each row gets
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+        "An empty cache of `max_len` slots, in `dtype` (default: `cache_dtype(config)`)."
+        dtype, C = jnp.dtype(dtype or cache_dtype(config)), _chunk_size(max_len)
+        shape = (config.n_layer, max_len // C, batch, config.n_head, C, config.d_head)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, max_len), bool),
+                   jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def chunk(self) -> int: return self.k.shape[4]
+    @property
+    def max_len(self) -> int: return self.k.shape[1] * self.k.shape[4]
+
+    def write(self, k: jax.Array, v: jax.Array, live: jax.Array) -> KVCache:
+        """Store every block's new keys and values `[n_layer, B, n_head, T, d_head]` at slots `[length, length + T)`
+        (in place when the cache is donated); `live` `[B, T]` marks which new tokens are real."""
+        T, C, at = k.shape[3], self.chunk, self.length
+        if T == 1:   # decoding: one slot, one dynamic_update_slice
+            put = lambda buf, x: jax.lax.dynamic_update_slice(buf, x[:, None].astype(buf.dtype), (0, at // C, 0, 0, at % C, 0))
+        else:        # a prompt may span chunks: scatter slot by slot
+            s = at + jnp.arange(T)
+            put = lambda buf, x: buf.at[:, s // C, :, :, s % C].set(x.transpose(3, 0, 1, 2, 4).astype(buf.dtype),
+                                                                      indices_are_sorted=True, unique_indices=True)
+        return KVCache(put(self.k, k), put(self.v, v), jax.lax.dynamic_update_slice(self.valid, live, (0, at)),
+                       at + T, self.next_pos + live.sum(1, dtype=jnp.int32))
+
+# %% ../nbs/01_model.ipynb #5e03deaf
+def attend_cached(q, k, v, mask, cache: KVCache, layer, read: str = "chunks") -> jax.Array:
+    """Attention of new tokens q/k/v `[B, T, H, d]` (mask `[B, T, T]`) that also sees block `layer`'s valid cached
+    slots `[0, cache.length)`, read chunk by chunk with an online softmax. Same result as `attend` over both.
+    With `read="all"`, a single new token (`T == 1`) reads every slot instead, masked, in one softmax."""
+    f32, scale = jnp.float32, 1 / math.sqrt(q.shape[-1])
+    B, T, H, d = q.shape
+    floor = jnp.finfo(f32).min
+    s = _scores(q, k, mask)                                # the new tokens among themselves
+    if read == "all" and T == 1: return _attend_all_slots(q, v, s, cache, layer)
+    m = s.max(-1)                                          # running max     [B, H, T]
+    p = jnp.exp(s - m[..., None])
+    l = p.sum(-1)                                          # running sum     [B, H, T]
+    o = einsum32("bhts,bshd->bhtd", p.astype(v.dtype), v)   # running output
+    C = cache.chunk
+    def chunk(c, carry):
+        m, l, o = carry
+        kc, vc = (jax.lax.dynamic_slice(x, (layer, c, 0, 0, 0, 0), (1, 1, B, H, C, d))[0, 0] for x in (cache.k, cache.v))
+        ok = jax.lax.dynamic_slice(cache.valid, (0, c * C), (B, C))
+        sc = einsum32("bthd,bhsd->bhts", q, kc.astype(q.dtype)) * scale
+        sc = jnp.where(ok[:, None, None, :], sc, floor)
+        m_new = jnp.maximum(m, sc.max(-1))
+        pc = jnp.exp(sc - m_new[..., None])
+        fix = jnp.exp(m - m_new)
+        o = o * fix[..., None] + einsum32("bhts,bhsd->bhtd", pc.astype(v.dtype), vc.astype(v.dtype))
+        return m_new, l * fix + pc.sum(-1), o
+    n = (cache.length + C - 1) // C
+    m, l, o = jax.lax.fori_loop(0, n, chunk, (m, l, o))
+    return (o / l[..., None]).astype(v.dtype).transpose(0, 2, 1, 3)
+
+# %% ../nbs/01_model.ipynb #e681c4f2
+def _attend_all_slots(q, v, s, cache: KVCache, layer) -> jax.Array:
+    """One softmax over all of block `layer`'s cached slots (invalid ones masked) and the new tokens' scores `s`.
+    The cache's chunk axis is a batch axis of both products, so neither transposes the cache."""
+    f32, (B, T, H, d), (n, C) = jnp.float32, q.shape, cache.k.shape[1:5:3]
+    kl, vl = cache.k[layer].astype(q.dtype), cache.v[layer].astype(v.dtype)          # [n_chunks, B, H, chunk, d]
+    qn = jnp.broadcast_to(q.transpose(0, 2, 1, 3)[None], (n, B, H, T, d))
+    sc = einsum32("nbhtd,nbhsd->nbhts", qn, kl) / math.sqrt(d)
+    ok = cache.valid.reshape(B, n, C).transpose(1, 0, 2)[:, :, None, None, :]      # [n_chunks, B, 1, 1, chunk]
+    sc = jnp.where(ok, sc, jnp.finfo(f32).min)
+    m = jnp.maximum(sc.max((0, 4)), s.max(-1))                                      # [B, H, T]
+    pc, pn = jnp.exp(sc - m[..., None]), jnp.exp(s - m[..., None])
+    l = pc.sum((0, 4)) + pn.sum(-1)
+    o = einsum32("nbhts,nbhsd->nbhtd", pc.astype(v.dtype), vl).sum(0)
+    o = o + einsum32("bhts,bshd->bhtd", pn.astype(v.dtype), v)
+    return (o / l[..., None]).astype(v.dtype).transpose(0, 2, 1, 3)
+
+def cache_read(cfg: ModelConfig) -> str:
+    """How a decoding step reads the KV cache: `cfg.cache_read`, with "auto" resolved for JAX's backend ("all" on GPUs)."""
+    if cfg.cache_read != "auto": return cfg.cache_read
+    return "all" if jax.default_backend() == "gpu" else "chunks"
+
+# %% ../nbs/01_model.ipynb #1a46303e
+BLOCKS = "gptj/blocks/"   # the stacked blocks' modules, `[n_layer, ...]` parameters
+
+def split_layers(params: dict, take=lambda stack, i: stack[i]) -> tuple[dict, list[dict]]:
+    "`params` without the blocks', and the blocks' as one dict per layer (`take(stack, i)` cuts layer `i` out)."
+    outer = {m: ps for m, ps in params.items() if not m.startswith(BLOCKS)}
+    blocks = {m[len(BLOCKS):]: ps for m, ps in params.items() if m.startswith(BLOCKS)}
+    n = next(iter(next(iter(blocks.values())).values())).shape[0]
+    return outer, [{m: {p: take(x, i) for p, x in ps.items()} for m, ps in blocks.items()} for i in range(n)]
+
+# %% ../nbs/01_model.ipynb #2df7a80b
+_block = hk.without_apply_rng(hk.transform(block))   # one block, as a pure function of one layer's weights
+
+def remat_in_turn(f):
+    """`f(p, x)`, rematerialized: its backward pass recomputes `f` from `(p, x)` only once the gradient of `f`'s output
+    has arrived. (In an unrolled loop, XLA runs a plain `jax.checkpoint`'s recomputations whenever it likes, all of them
+    early, and then holds every block's intermediates at once: remat saved nothing. XLA's CPU compiler also drops an
+    `optimization_barrier` before it schedules, so the order is made a data dependency: `x + 0 · ct[0]`, which float
+    arithmetic may not simplify away.)"""
+    @jax.custom_vjp
+    def g(p, x): return f(p, x)
+    def bwd(res, ct):
+        p, x, ct = jax.lax.optimization_barrier((*res, ct))   # recompute after `ct`, not before (GPU, TPU)
+        x = x + (ct[(0,) * ct.ndim] * 0).astype(x.dtype)      # the same, where the barrier is dropped (CPU)
+        return jax.vjp(f, p, x)[1](ct)
+    g.defvjp(lambda p, x: (f(p, x), (p, x)), bwd)
+    return g
+
+# %% ../nbs/01_model.ipynb #70790b7e
+def run_layers(layers: list, x, sin, cos, live, attention_mask, cache, cfg, hint=no_hint, lora=None):
+    "The blocks on `x`, in a loop over `layers` (each one layer's weights): the new `x` and the updated cache (or None)."
+    T = x.shape[1]
+    mask = None if cache is None and attention_mask is None else jnp.tril(jnp.ones((T, T), bool))[None] & live[:, None, :]
+    run = lambda p, x, i: _block.apply(p, x, sin, cos, mask, cfg, cache, i, hint=hint, lora=lora)
+    if cache is None:   # no cache: only x goes on (remat: "nothing" in turn; "dots" keeps the products, as in the scan)
+        step = lambda p, x, i: run(p, x, i)[0]
+        if cfg.remat and cfg.remat_policy == "nothing": step = lambda p, x, i, f=step: remat_in_turn(partial(f, i=i))(p, x)
+        elif cfg.remat: step = jax.checkpoint(step, policy=REMAT_POLICY[cfg.remat_policy], static_argnums=2)
+        for i, p in enumerate(layers): x = step(p, x, i)
+        return x, None
+    kv = []
+    for i, p in enumerate(layers):
+        x, new = run(p, x, i)
+        kv.append(new)
+    k, v = (jnp.stack([n[j].astype(cache.k.dtype) for n in kv]) for j in (0, 1))
+    return x, cache.write(k, v, live)

@@ -1,4 +1,4 @@
-"""`train(run.json)`: a whole run from one config file in the original project's keys, resumed automatically; `finetune(model, files)`: a pretrained model on your text, fully or with LoRA.
+"""`train(run.json)`: a whole run from one config file in the original project's keys, resumed automatically;
 
 Docs: https://meshtx.github.io/meshtx/runs.html.md"""
 
@@ -11,8 +11,9 @@ from pathlib import Path
 import jax
 from .config import ModelConfig, LoRAConfig, MTJ_MODEL_KEYS, MTJ_OTHER_KEYS
 from .lm import LM
-from .data import (TokenData, Loader, prepare_data, filesystem, resolve_tokenizer, is_remote, check_bucket,
-                         source_files, sources_digest, tokenizer_fingerprint, read_index)
+from .data import (TokenData, Loader, prepare_data, resolve_tokenizer, source_files, sources_digest,
+                         tokenizer_fingerprint, read_index)
+from .storage import filesystem, is_remote, check_bucket, read_json, write_atomic
 from .checkpoint import Checkpointer
 from .sharding import make_mesh
 from .distributed import is_main_process, sync, share
@@ -34,6 +35,7 @@ def default_compute_dtype() -> str:
     "bfloat16 on accelerators (where it is fast), float32 on CPU (where bf16 matmuls are slow and gain nothing)."
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
+# %% ../nbs/08b_runs.ipynb #16130000
 _INTS = {"total_steps": 1, "per_replica_batch": 1, "gradient_accumulation_steps": 1, "cores_per_replica": 1,
          "warmup_steps": 0, "anneal_steps": 1, "val_every": 1, "val_batches": 1, "ckpt_every": 1, "keep_every": 1,
          "keep": 1, "seed": 0, **{k: 1 for k in MTJ_MODEL_KEYS}}   # key: its smallest value
@@ -44,6 +46,17 @@ _STRINGS = ("model_dir", "model", "bucket", "optimizer", "param_dtype", "mu_dtyp
 def _is_paths(v) -> bool: return (isinstance(v, str) and v != "") or (
     isinstance(v, list) and v != [] and all(isinstance(s, str) and s for s in v))
 
+def _check_keys(run: dict, where: str):
+    "Refuse unknown keys (typos, most often), and a config without the keys every run needs."
+    unknown = sorted(set(run) - set(MTJ_MODEL_KEYS) - MTJ_OTHER_KEYS - RUN_KEYS)
+    if unknown: raise ValueError(f"{where}: unknown key(s) {unknown}")
+    for key in ("model_dir", "train_set", "total_steps"):
+        if run.get(key) in (None, ""): raise ValueError(f"{where}: {key!r} is required")
+    if "model" not in run and not all(k in run for k in ("layers", "d_model", "n_heads", "n_vocab")):
+        raise ValueError(f"{where}: give 'model' (a checkpoint to start from) or the model's shape "
+                         "('layers', 'd_model', 'n_heads', 'n_vocab')")
+
+# %% ../nbs/08b_runs.ipynb #f07ce68a
 def _check_types(cfg: dict, where: str):
     "Refuse a value of the wrong type now, naming its key, rather than as a traceback deep inside training."
     def bad(key, what): raise ValueError(f"{where}: {key}={cfg[key]!r} must be {what}")
@@ -62,7 +75,13 @@ def _check_types(cfg: dict, where: str):
     if vs is not None and not _is_paths(vs) and not (isinstance(vs, dict) and vs and all(
             isinstance(n, str) and re.fullmatch(r"[\w.-]+", n) and _is_paths(p) for n, p in vs.items())):
         bad("val_set", "a path, a list of paths, or {name: path} for several sets (names of letters, digits, _ . -)")
+    for key in ("lr", "end_lr", "weight_decay", "val_fraction"):   # numbers, or a type error deep inside the optimizer
+        v = cfg[key]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+            raise ValueError(f"{where}: {key}={v!r} must be a number ≥ 0")
+    if cfg["remat"] not in (None, True, False): raise ValueError(f"{where}: remat={cfg['remat']!r} must be true, false or null")
 
+# %% ../nbs/08b_runs.ipynb #54134539
 def _data_path(p: str) -> str:
     "`p` as given if it exists, else `data/<p>` if that exists (where the original looked for its sets), else `p`."
     if is_remote(p) or os.path.isabs(p) or os.path.exists(p) or not os.path.exists(f"data/{p}"): return p
@@ -73,6 +92,7 @@ def _resolve(spec):
     if isinstance(spec, dict): return {n: _resolve(p) for n, p in spec.items()}
     return [_data_path(p) for p in spec] if isinstance(spec, list) else _data_path(spec)
 
+# %% ../nbs/08b_runs.ipynb #466536e6
 def load_run_config(run) -> dict:
     """A run config (a dict or a JSON file) checked and completed with defaults. As in the original, `model_dir` is
     inside `gs://{bucket}/` when `bucket` is set, and a set's path not found as given is looked up under `data/`."""
@@ -80,24 +100,12 @@ def load_run_config(run) -> dict:
     if isinstance(run, (str, os.PathLike)):
         where = os.fspath(run)
         fs, p = filesystem(where)
-        try: run = json.loads(fs.cat_file(p))
+        try: run = read_json(p, fs, what="run config")   # a damaged, non-object or huge file is named
         except FileNotFoundError: raise FileNotFoundError(f"run config {where} does not exist") from None
-        except json.JSONDecodeError as e: raise ValueError(f"{where} is not valid JSON: {e}") from None
     if not isinstance(run, dict): raise ValueError(f"{where}: a run config is a JSON object of keys, not a {type(run).__name__}")
-    unknown = sorted(set(run) - set(MTJ_MODEL_KEYS) - MTJ_OTHER_KEYS - RUN_KEYS)
-    if unknown: raise ValueError(f"{where}: unknown key(s) {unknown}")
-    for key in ("model_dir", "train_set", "total_steps"):
-        if run.get(key) in (None, ""): raise ValueError(f"{where}: {key!r} is required")
-    if "model" not in run and not all(k in run for k in ("layers", "d_model", "n_heads", "n_vocab")):
-        raise ValueError(f"{where}: give 'model' (a checkpoint to start from) or the model's shape "
-                         "('layers', 'd_model', 'n_heads', 'n_vocab')")
+    _check_keys(run, where)
     cfg = {**RUN_DEFAULTS, **run}
     _check_types(cfg, where)
-    for key in ("lr", "end_lr", "weight_decay", "val_fraction"):   # numbers, or a type error deep inside the optimizer
-        v = cfg[key]
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
-            raise ValueError(f"{where}: {key}={v!r} must be a number ≥ 0")
-    if cfg["remat"] not in (None, True, False): raise ValueError(f"{where}: remat={cfg['remat']!r} must be true, false or null")
     if cfg["bucket"]:   # the original wrote to gs://{bucket}/{model_dir}
         if "://" in cfg["model_dir"]:
             raise ValueError(f"{where}: model_dir={cfg['model_dir']!r} is a URL, and bucket={cfg['bucket']!r} is set: "
@@ -122,6 +130,7 @@ def _sources(spec):
         else: out.append(s)
     return out
 
+# %% ../nbs/08b_runs.ipynb #cb964f37
 def _stale(data: TokenData, sources: list, tokenizer, seq: int, val_fraction: float, seed: int, exclude=()) -> str | None:
     "Why `data` (prepared by an earlier run) is not what this run would prepare (from `sources` less `exclude`); None if it is."
     h, same = data.header, lambda xs: [str(x).rstrip("/") or str(x) for x in xs or []]   # "corpus/" is "corpus"
@@ -135,6 +144,7 @@ def _stale(data: TokenData, sources: list, tokenizer, seq: int, val_fraction: fl
         return "its source files changed since"
     return None
 
+# %% ../nbs/08b_runs.ipynb #93dc317b
 def dataset(spec, where, tokenizer, seq: int, val_fraction: float = 0.0, seed: int = 0, progress: bool = False,
             n_vocab: int | None = None, replace: bool = False, run_dir=None) -> TokenData:
     """A `TokenData` for `spec`: opened if already prepared, else prepared (once) into `where`. Data an earlier run
@@ -188,6 +198,7 @@ def _model(cfg) -> LM:
     return LM.init(config, seed=cfg["seed"], tokenizer=tokenizer if tokenizer is not None else "auto", dtype="float32",
                    compute_dtype=compute)
 
+# %% ../nbs/08b_runs.ipynb #444fbec1
 def _save_model(lm: LM, model_path, adapters_path):
     """Leave a trained `lm` where every command can read it: with LoRA, its adapters alone in `adapters_path`, then
     merged into the weights (in place); the model as a Hugging Face checkpoint in `model_path`. Across processes,
@@ -202,6 +213,38 @@ def _save_model(lm: LM, model_path, adapters_path):
     if is_main_process(): out.save_hf(model_path, progress=False)
     sync(f"save {model_path}")
 
+# %% ../nbs/08b_runs.ipynb #f1013d3e
+def _val_sets(cfg, train_data: TokenData, model_dir: str, tok, seq: int, batch: int, resume: bool, progress, n_vocab) -> dict:
+    "`{log key: validation data}`: each `val_set` (one: `val_loss`, several: `val_loss_<name>`), else train_set's held-out windows."
+    vals = {}   # log key: validation batches
+    if cfg["val_set"]:   # the original's {name: index} logs one loss per name; one set logs val_loss
+        named = cfg["val_set"] if isinstance(cfg["val_set"], dict) else {"": cfg["val_set"]}
+        for name, spec in named.items():
+            key, where = ("val_loss", f"{model_dir}/data/val") if len(named) == 1 else (f"val_loss_{name}", f"{model_dir}/data/val-{name}")
+            vals[key] = Loader(dataset(spec, where, tok, seq, 0.0, cfg["seed"], progress, n_vocab,
+                                       replace=not resume, run_dir=model_dir), batch, split="train", loop=False)
+    elif n_val := train_data.n("val"):   # fewer held-out windows than a batch: smaller batches (whole per process)
+        per = jax.process_count()
+        if (val_batch := min(batch, n_val) // per * per): vals["val_loss"] = Loader(train_data, val_batch, split="val")
+    if not vals and cfg["val_every"]:
+        warnings.warn(f"val_every={cfg['val_every']}, but there is no validation data (no val_set, and "
+                      f"{train_data.n('val')} held-out windows of train_set): the run logs no val_loss")
+    if cfg["val_batches"]: vals = {k: list(itertools.islice(iter(v), cfg["val_batches"])) for k, v in vals.items()}
+    return vals
+
+# %% ../nbs/08b_runs.ipynb #02eed7c4
+def _leave_model(lm: LM, model_dir: str, trained: bool, lora, log):
+    "Write `model_dir/model` (and `adapters`) unless this call trained nothing and a complete one is there."
+    fs, p = filesystem(f"{model_dir}/model")
+    if trained or not fs.exists(f"{p}/config.json"):   # the model other commands read (sample, serve, eval, convert)
+        if is_remote(model_dir) and is_main_process():   # remote saves go to empty folders: this run's earlier model goes
+            for name in ("model", "adapters"):           # (if the save is cut short, the next call writes it again)
+                rfs, rp = filesystem(f"{model_dir}/{name}")
+                if rfs.exists(rp): rfs.rm(rp, recursive=True)
+        _save_model(lm, f"{model_dir}/model", f"{model_dir}/adapters")
+        if is_main_process(): log(json.dumps({"model": f"{model_dir}/model", **({"adapters": f"{model_dir}/adapters"} if lora else {})}))
+
+# %% ../nbs/08b_runs.ipynb #d539afcc
 def train(run, log=None, progress: bool = False) -> Trainer:
     "Run (or resume) the training described by `run` (a dict or JSON file, original keys); returns the `Trainer`."
     log = log or functools.partial(print, flush=True)
@@ -222,20 +265,7 @@ def train(run, log=None, progress: bool = False) -> Trainer:
     train_data = dataset(cfg["train_set"], f"{model_dir}/data/train", tok, seq, cfg["val_fraction"], cfg["seed"], progress,
                          lm.config.n_vocab, replace=not resume, run_dir=model_dir)
     loader = Loader(train_data, batch, cfg["gradient_accumulation_steps"], seed=cfg["seed"])
-    vals = {}   # log key: validation batches
-    if cfg["val_set"]:   # the original's {name: index} logs one loss per name; one set logs val_loss
-        named = cfg["val_set"] if isinstance(cfg["val_set"], dict) else {"": cfg["val_set"]}
-        for name, spec in named.items():
-            key, where = ("val_loss", f"{model_dir}/data/val") if len(named) == 1 else (f"val_loss_{name}", f"{model_dir}/data/val-{name}")
-            vals[key] = Loader(dataset(spec, where, tok, seq, 0.0, cfg["seed"], progress, lm.config.n_vocab,
-                                       replace=not resume, run_dir=model_dir), batch, split="train", loop=False)
-    elif n_val := train_data.n("val"):   # fewer held-out windows than a batch: smaller batches (whole per process)
-        per = jax.process_count()
-        if (val_batch := min(batch, n_val) // per * per): vals["val_loss"] = Loader(train_data, val_batch, split="val")
-    if not vals and cfg["val_every"]:
-        warnings.warn(f"val_every={cfg['val_every']}, but there is no validation data (no val_set, and "
-                      f"{train_data.n('val')} held-out windows of train_set): the run logs no val_loss")
-    if cfg["val_batches"]: vals = {k: list(itertools.islice(iter(v), cfg["val_batches"])) for k, v in vals.items()}
+    vals = _val_sets(cfg, train_data, model_dir, tok, seq, batch, resume, progress, lm.config.n_vocab)
     if cfg["eval_harness_tasks"]:
         warnings.warn(f"eval_harness_tasks={cfg['eval_harness_tasks']!r} are not run by `meshtx train`: evaluate the model it "
                       f"leaves with `meshtx eval --model meshtx --model_args pretrained={model_dir}/model --tasks ...`")
@@ -254,14 +284,7 @@ def train(run, log=None, progress: bool = False) -> Trainer:
         if val_every and n % val_every == 0: rec.update({k: t.evaluate(v) for k, v in vals.items()})
         if is_main_process(): log(json.dumps(rec))
         if (ckpt_every and n % ckpt_every == 0) or n == total: t.save()
-    fs, p = filesystem(f"{model_dir}/model")
-    if trained or not fs.exists(f"{p}/config.json"):   # the model other commands read (sample, serve, eval, convert)
-        if is_remote(model_dir) and is_main_process():   # remote saves go to empty folders: this run's earlier model goes
-            for name in ("model", "adapters"):           # (if the save is cut short, the next call writes it again)
-                rfs, rp = filesystem(f"{model_dir}/{name}")
-                if rfs.exists(rp): rfs.rm(rp, recursive=True)
-        _save_model(lm, f"{model_dir}/model", f"{model_dir}/adapters")
-        if is_main_process(): log(json.dumps({"model": f"{model_dir}/model", **({"adapters": f"{model_dir}/adapters"} if lora else {})}))
+    _leave_model(lm, model_dir, trained, lora, log)
     return t
 
 # %% ../nbs/08b_runs.ipynb #1715c9b7
@@ -269,6 +292,31 @@ def default_lr(lora) -> float:
     "The peak learning rate a fine-tune uses unless told: 3e-4 for LoRA adapters, 3e-5 for the whole model."
     return 3e-4 if lora else 3e-5
 
+# %% ../nbs/08b_runs.ipynb #3700d0ae
+def _finetune_model(model, lora, dtype, seq, progress) -> tuple[LM, int]:
+    "The model to fine-tune (loaded if not an `LM`: bf16 under LoRA, float32 masters else) and the training length."
+    if not isinstance(model, LM):
+        model = LM.load(model, dtype=dtype or ("bfloat16" if lora else "float32"), compute_dtype=default_compute_dtype(),
+                        progress=progress)
+    if model.tokenizer is None: raise ValueError(f"model {model} has no tokenizer; save one with it to fine-tune on text")
+    seq = seq or min(model.config.n_ctx, 1024)
+    if seq > model.config.n_ctx: raise ValueError(f"seq={seq} is longer than the model's context n_ctx={model.config.n_ctx}")
+    return model, seq
+
+# %% ../nbs/08b_runs.ipynb #c2b95a65
+def _start(t: Trainer, out, child, settings: dict, resumed: dict | None, log) -> float | None:
+    "Begin a fine-tune (recording its settings and held-out loss) or resume one; returns the held-out loss before it."
+    if resumed is None:
+        before = t.evaluate() if t.val_data is not None else None
+        if is_main_process(): _write_json(child("finetune.json"), {**settings, "val_loss_before": before})
+        if before is not None: log(f"held-out loss before: {before:.4f}")
+    else:
+        t.restore()
+        before = resumed.get("val_loss_before")
+        log(f"resumed {out} at step {len(t.history)} of {settings['steps']}")
+    return before
+
+# %% ../nbs/08b_runs.ipynb #312cd38c
 def finetune(model, data, out, *, lora: LoRAConfig | int | None = None, steps: int = 100, batch: int = 8,
              seq: int | None = None, accum: int = 1, lr: float | None = None, warmup_steps: int | None = None,
              val_fraction: float = 0.05, seed: int = 0, dtype=None, remat: bool = True, save_every: int | None = None,
@@ -278,6 +326,7 @@ def finetune(model, data, out, *, lora: LoRAConfig | int | None = None, steps: i
     `dtype`: the weights' dtype (default bfloat16 with LoRA, float32 masters otherwise; a full fine-tune in bfloat16
     keeps its Adam moments in bfloat16 too). `remat`: recompute activations in the backward pass (saves memory).
     `save_every`: also save a checkpoint every so many steps; the same call again resumes an interrupted run."""
+    import matplotlib.pyplot as plt
     remote = is_remote(out)
     out = str(out).rstrip("/") if remote else Path(out)
     child = lambda name: f"{out}/{name}" if remote else out / name
@@ -287,13 +336,7 @@ def finetune(model, data, out, *, lora: LoRAConfig | int | None = None, steps: i
                     batch=batch, seq=seq, accum=accum, lr=lr, warmup_steps=warmup_steps, val_fraction=val_fraction, seed=seed,
                     dtype=None if dtype is None else str(dtype), remat=remat, save_every=save_every)
     resumed = _resumable(out, child, settings)   # before any work: the settings of an unfinished run, or None
-    if not isinstance(model, LM):
-        model = LM.load(model, dtype=dtype or ("bfloat16" if lora else "float32"), compute_dtype=default_compute_dtype(),
-                        progress=progress)
-    lm = model
-    if lm.tokenizer is None: raise ValueError(f"model {model} has no tokenizer; save one with it to fine-tune on text")
-    seq = seq or min(lm.config.n_ctx, 1024)
-    if seq > lm.config.n_ctx: raise ValueError(f"seq={seq} is longer than the model's context n_ctx={lm.config.n_ctx}")
+    lm, seq = _finetune_model(model, lora, dtype, seq, progress)
     data = dataset(data, str(child("data")), lm.tokenizer, seq, val_fraction, seed, progress, lm.config.n_vocab,
                    replace=resumed is None, run_dir=str(out))   # a resume trains on the data it started on, or refuses
     if jax.device_count() > 1: lm.shard(make_mesh(config=lm.config, mode="lora" if lora else "train"))
@@ -302,19 +345,12 @@ def finetune(model, data, out, *, lora: LoRAConfig | int | None = None, steps: i
     t = Trainer(lm, Loader(data, batch, accum, seed=seed), val, lr=lr, warmup_steps=steps // 10 if warmup_steps is None else warmup_steps,
                 total_steps=steps, lora=lora, checkpoint_dir=str(child("checkpoints")), progress=progress, seed=seed,
                 remat=remat, **({} if lora or dtype is None else dict(param_dtype=dtype, mu_dtype=dtype)))
-    if resumed is None:
-        before = t.evaluate() if val is not None else None
-        if is_main_process(): _write_json(child("finetune.json"), {**settings, "val_loss_before": before})
-        if before is not None: log(f"held-out loss before: {before:.4f}")
-    else:
-        t.restore()
-        before = resumed.get("val_loss_before")
-        log(f"resumed {out} at step {len(t.history)} of {steps}")
+    before = _start(t, out, child, settings, resumed, log)
     t.run(steps - len(t.history), eval_every=max(1, steps // 5) if val is not None else None, save_every=save_every)
     after = t.evaluate() if val is not None else None
     if after is not None: log(f"held-out loss after {steps} steps: {after:.4f}")
     if Checkpointer(child("checkpoints")).latest() != len(t.history): t.save()   # unless save_every just saved it
-    t.plot(child("loss.png"))
+    plt.close(t.plot(child("loss.png")))   # saved, and not left open
     _save_model(lm, child("model"), child("adapters"))
     log(f"fine-tuned model: {child('model')}" + (f"   adapters: {child('adapters')}" if lora else ""))
     return {"val_loss_before": before, "val_loss_after": after, "steps": steps, "model": str(child("model")),
@@ -326,8 +362,9 @@ def _lora_dict(lora):
 
 def _write_json(path, value):
     fs, p = filesystem(path)
-    with fs.open(p, "w") as f: f.write(json.dumps(value, indent=1, default=list) + "\n")   # one object: whole or absent
+    write_atomic(p, json.dumps(value, indent=1, default=list) + "\n", fs)   # one object: whole or absent
 
+# %% ../nbs/08b_runs.ipynb #28e70846
 def _resumable(out, child, settings: dict) -> dict | None:
     "The recorded settings of an unfinished fine-tune in `out` with these `settings`, None for a new one; else raise."
     steps = Checkpointer(child("checkpoints")).steps()
@@ -337,9 +374,8 @@ def _resumable(out, child, settings: dict) -> dict | None:
     fs, p = filesystem(child("finetune.json"))
     if not fs.exists(p):
         raise ValueError(f"{out} holds checkpoints (steps {steps}) but no finetune.json: not a fine-tune to resume; choose a new output directory")
-    try: recorded = json.loads(fs.cat_file(p))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{child('finetune.json')} is damaged (not JSON: {e}): choose a new output directory") from None
+    try: recorded = read_json(p, fs)
+    except ValueError as e: raise ValueError(f"{e} (finetune.json is damaged: choose a new output directory)") from None
     differ = {k: (recorded.get(k), v) for k, v in settings.items()   # how often to save, and remat, may change
               if k not in ("save_every", "remat") and recorded.get(k) != json.loads(json.dumps(v, default=list))}
     if differ:

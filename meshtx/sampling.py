@@ -6,20 +6,19 @@ Docs: https://meshtx.github.io/meshtx/sampling.html.md"""
 
 # %% ../nbs/05_sampling.ipynb #72ef8b62
 from __future__ import annotations
-import dataclasses, math
+import dataclasses, math, re
 from functools import partial
-from typing import Iterator, NamedTuple
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 import numpy as np
 import jax, jax.numpy as jnp
-from fastcore.basics import patch
 from .model import KVCache, gptj, no_hint
-from .lm import LM
 from jax.sharding import NamedSharding, PartitionSpec as P_
 from .sharding import activation_hint, kv_cache_shardings, fit_spec, BATCH
+if TYPE_CHECKING: from meshtx.lm import LM   # for annotations only: the model is an argument, not an import
 
 # %% auto #0
 __all__ = ['apply_repetition_penalty', 'top_k_filter', 'top_p_filter', 'Options', 'top1', 'choose', 'State', 'Generation',
-           'Stream']
+           'per_row', 'check_option', 'cut_at_stop', 'token_text', 'Stream', 'generate', 'unescape_stop', 'escape_stop']
 
 # %% ../nbs/05_sampling.ipynb #d198f757
 def apply_repetition_penalty(logits, seen, penalty):
@@ -44,7 +43,7 @@ def top_p_filter(logits, p):
     drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
     return jnp.where(drop, -jnp.inf, logits)
 
-# %% ../nbs/05_sampling.ipynb #41757540
+# %% ../nbs/05_sampling.ipynb #8ecde670
 class Options(NamedTuple):
     "Per-row sampling options, each `[B]`."
     temperature: jax.Array
@@ -53,12 +52,14 @@ class Options(NamedTuple):
     penalty: jax.Array
     seed: jax.Array
 
+# %% ../nbs/05_sampling.ipynb #41757540
 def top1(x):
     "`(jnp.argmax(x, -1), x.max(-1))` (the first index of the maximum), as two plain reductions."
     top = x.max(-1)
     i = jnp.where(x == top[..., None], jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape[-1]).min(-1)
     return jnp.minimum(i, x.shape[-1] - 1), top   # (a NaN row would find no maximum: keep the index in range)
 
+# %% ../nbs/05_sampling.ipynb #428493d5
 def choose(logits, seen, opts: Options, step):
     "Next token `[B]` and its log-probability under the final (filtered, tempered) distribution."
     logits = logits.astype(jnp.float32)
@@ -91,6 +92,7 @@ class State(NamedTuple):
     length: jax.Array    # [B] tokens generated
     step: jax.Array      # [] decode steps taken
 
+# %% ../nbs/05_sampling.ipynb #a30dc1e2
 def _stopped(out, length, stops):
     "Does each row's generated text end with one of `stops` `[S, K]` (right-aligned token ids, -1 = padding)?"
     S, K = stops.shape
@@ -99,6 +101,7 @@ def _stopped(out, length, stops):
     match = (stops[None] == tail[:, None, :]) | (stops[None] == -1)
     return (match.all(-1) & (stops != -1).any(-1)[None]).any(-1)
 
+# %% ../nbs/05_sampling.ipynb #54ff81be
 def _prefill(apply, params, tokens, mask, cache, vocab):
     "Run the left-padded prompts into the cache: the cache, the next-token logits, the tokens seen."
     logits, cache = apply(params, tokens, mask, cache, logits_to_keep=1)   # only the next token's logits
@@ -106,6 +109,7 @@ def _prefill(apply, params, tokens, mask, cache, vocab):
     seen = jnp.zeros((B, vocab), bool).at[jnp.arange(B)[:, None], tokens].max(mask.astype(bool))
     return cache, logits[:, -1], seen
 
+# %% ../nbs/05_sampling.ipynb #bfaea558
 def _decode(apply, state: State, opts: Options, limit, eos, stops, until):
     def cond(s): return (s.step < until) & ~s.done.all()
     def body(s):
@@ -133,11 +137,23 @@ class Generation:
     finish_reasons: list   # "stop" (end-of-text or a stop sequence) or "length"
     logprobs: list | None = None  # per-token log-probabilities, when asked for
 
-def _bucket(n, least=16): return max(least, 1 << max(0, n - 1).bit_length())
+# %% ../nbs/05_sampling.ipynb #e57094bf
+_CHECKS = {   # name: (default for None, the test a value passes, dtype)
+    "temperature": (1.0, lambda v: float(v) >= 0 and math.isfinite(float(v)), np.float32),
+    "top_k": (0, lambda v: int(v) == v and v >= -1, np.int32),    # 0 or -1 (vLLM's spelling): off
+    "top_p": (1.0, lambda v: 0 <= float(v) <= 1, np.float32),     # 0: only the likeliest token
+    "repetition_penalty": (1.0, lambda v: float(v) > 0 and math.isfinite(float(v)), np.float32),
+    "max_new_tokens": (None, lambda v: int(v) == v and v >= 1, np.int32),
+    "seed": (0, lambda v: int(v) == v and 0 <= v < 2**32, np.uint32),
+}
 
-def _per_row(name, value, B, default, check, dtype):
-    vals = list(value) if isinstance(value, (list, tuple)) or np.ndim(value) > 0 else [value] * B
-    if len(vals) != B: raise ValueError(f"{name} has {len(vals)} values for {B} prompts")
+def per_row(name: str, value, n: int) -> np.ndarray:
+    """Sampling option `name` (a `generate` argument: temperature, top_k, top_p, repetition_penalty, max_new_tokens, seed)
+    as `n` values: `value` is one for every row or a list of `n` (None: the default). A bad one is a `ValueError` naming it."""
+    if name not in _CHECKS: raise ValueError(f"unknown sampling option {name!r}; the options are {sorted(_CHECKS)}")
+    default, check, dtype = _CHECKS[name]
+    vals = list(value) if isinstance(value, (list, tuple)) or np.ndim(value) > 0 else [value] * n
+    if len(vals) != n: raise ValueError(f"{name} has {len(vals)} values for {n} prompts")
     out = []
     for v in vals:
         v = default if v is None else v
@@ -148,14 +164,10 @@ def _per_row(name, value, B, default, check, dtype):
     try: return np.asarray(out, dtype)
     except OverflowError: raise ValueError(f"invalid {name}={max(out, key=abs)!r}: out of range") from None
 
-_CHECKS = {
-    "temperature": (1.0, lambda v: float(v) >= 0 and math.isfinite(float(v)), np.float32),
-    "top_k": (0, lambda v: int(v) == v and v >= -1, np.int32),    # 0 or -1 (vLLM's spelling): off
-    "top_p": (1.0, lambda v: 0 <= float(v) <= 1, np.float32),     # 0: only the likeliest token
-    "repetition_penalty": (1.0, lambda v: float(v) > 0 and math.isfinite(float(v)), np.float32),
-    "max_new_tokens": (None, lambda v: int(v) == v and v >= 1, np.int32),
-    "seed": (0, lambda v: int(v) == v and 0 <= v < 2**32, np.uint32),
-}
+# %% ../nbs/05_sampling.ipynb #17d2783c
+def check_option(name: str, value):
+    "One value of sampling option `name` (None: its default) as a Python number, or a `ValueError` naming it."
+    return per_row(name, value, 1)[0].item()
 
 # %% ../nbs/05_sampling.ipynb #900f0198
 _LOOP_OPTIONS = {"cpu": {"xla_disable_hlo_passes": "while-loop-invariant-code-motion",   # XLA options, by backend
@@ -167,7 +179,7 @@ class _Compiled:
         hint = activation_hint(lm.mesh) if lm.mesh is not None else no_hint
         model = gptj(lm.config, hint, lm.lora)
         V = lm.config.n_vocab
-        # `params, layers`: the weights as `LM._weights` gives them (the blocks' one layer at a time on a CPU)
+        # `params, layers`: the weights as `LM.weights` gives them (the blocks' one layer at a time on a CPU)
         self.prefill = jax.jit(lambda params, layers, tokens, mask, cache:
                                _prefill(partial(model.apply, layers=layers), params, tokens, mask, cache, V), donate_argnums=4)
         def decode(params, layers, state, opts, limit, eos, stops, until):
@@ -183,13 +195,16 @@ class _Compiled:
             self._empty[batch, max_len] = jax.jit(partial(KVCache.init, self.config, batch, max_len), out_shardings=shardings)
         return self._empty[batch, max_len]()
 
+# %% ../nbs/05_sampling.ipynb #30e4bb73
 def _compiled(lm: LM) -> _Compiled:
+    "The sampler's compiled functions for `lm`, kept in `lm.compiled` for its config, mesh and adapters."
     key = (lm.config, lm.mesh, lm.lora)
-    if getattr(lm, "_sampler_key", None) != key:
-        lm._sampler, lm._sampler_key = _Compiled(lm), key
-    return lm._sampler
+    kept = lm.compiled.get(__name__)   # "meshtx.sampling" (and this notebook's own definitions apart, as "__main__")
+    if kept is None or kept[0] != key: lm.compiled[__name__] = kept = (key, _Compiled(lm))
+    return kept[1]
 
-def _encode_prompts(lm, prompts):
+# %% ../nbs/05_sampling.ipynb #8be5a91d
+def _encode_prompts(lm: LM, prompts) -> list[list[int]]:
     if isinstance(prompts, str): prompts = [prompts]
     if isinstance(prompts, np.ndarray): prompts = prompts.tolist()
     if not isinstance(prompts, (list, tuple)) or not prompts: raise ValueError("prompts must be a string, a list of strings or a list of token lists")
@@ -206,7 +221,8 @@ def _encode_prompts(lm, prompts):
         ids.append(p)
     return ids
 
-def _stop_ids(lm, stop):
+# %% ../nbs/05_sampling.ipynb #68b63ff8
+def _stop_ids(lm: LM, stop):
     "Stop sequences as right-aligned token ids `[S, K]`, plus the strings to cut the text at."
     if isinstance(stop, (str, int, np.integer)) and not isinstance(stop, bool): stop = [stop]   # one string or token id
     stop = [] if stop is None else list(stop)
@@ -224,45 +240,40 @@ def _stop_ids(lm, stop):
     for i, s in enumerate(seqs): arr[i, K - len(s):] = s
     return arr, [s for s in stop if isinstance(s, str)]
 
-# %% ../nbs/05_sampling.ipynb #f67ace38
-@patch
-def generate(self: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, top_p=None,
-             repetition_penalty=None, stop=None, seed=0, stream=False, logprobs=False, truncate=None,
-             eos_token_id="auto", chunk=8):
-    """Continue each prompt (a string, token ids, or a list of either) by up to `max_new_tokens` tokens.
-    Options may be scalars or per-prompt lists; `temperature=0` is greedy; one `seed` gives row `i` the seed
-    `seed + i`. Each prompt must fit `n_ctx` with its own `max_new_tokens` (or is cut from the left, with
-    `truncate="left"`). With `stream=True`, returns an iterator of `(prompt index, new text)` pieces as they are
-    produced (`chunk` tokens per device call). `stop` (strings, token ids or token-id lists) ends a row at the token
-    that completes one. Strings are compared as text on the host every `chunk` steps, so that decoding ends there even
-    when the tokens spell them differently, and are cut from the text (as OpenAI's API does); token-id stops stay in
-    the text and in `tokens` (as Hugging Face's stop tokens do), except the end-of-text token, which is never text."""
-    ids = _encode_prompts(self, prompts)
-    B = len(ids)
-    o = {n: _per_row(n, v, B, *_CHECKS[n]) for n, v in dict(temperature=temperature, top_k=top_k, top_p=top_p,
-         repetition_penalty=repetition_penalty, max_new_tokens=max_new_tokens, seed=seed).items()}
-    if np.ndim(seed) == 0:   # one seed for the batch: row i draws from seed + i, so copies of a prompt differ
+# %% ../nbs/05_sampling.ipynb #adfcd27a
+def _row_options(B: int, **options) -> dict:
+    "Each sampling option as `B` checked values (`per_row`), and one batch `seed` as `seed + i` for row `i`."
+    o = {n: per_row(n, v, B) for n, v in options.items()}
+    if np.ndim(options["seed"]) == 0:
         o["seed"] = ((o["seed"].astype(np.uint64) + np.arange(B, dtype=np.uint64)) % 2**32).astype(np.uint32)
-    if stream and logprobs: raise ValueError("logprobs are not streamed: call generate without stream=True for them")
+    return o
+
+# %% ../nbs/05_sampling.ipynb #5630c15e
+def _fit(lm: LM, ids: list, max_new, truncate) -> list:
+    "The prompts `ids`, each fitted into `n_ctx` with its `max_new` `[B]` new tokens (`truncate='left'`), or a ValueError."
     if truncate not in (None, "left"): raise ValueError(f"truncate={truncate!r} must be None or 'left'")
-    n_new = int(o["max_new_tokens"].max())
-    if n_new >= self.config.n_ctx: raise ValueError(f"max_new_tokens={n_new} leaves no room for a prompt in n_ctx={self.config.n_ctx}")
-    for i, p in enumerate(ids):   # each prompt against its own max_new_tokens: a row does not depend on the others
-        room = self.config.n_ctx - int(o["max_new_tokens"][i])
+    n_ctx, n_new = lm.config.n_ctx, int(max_new.max())
+    if n_new >= n_ctx: raise ValueError(f"max_new_tokens={n_new} leaves no room for a prompt in n_ctx={n_ctx}")
+    ids = list(ids)
+    for i, p in enumerate(ids):
+        room = n_ctx - int(max_new[i])
         if len(p) > room:
             if truncate == "left": ids[i] = p[len(p) - room:]
-            else: raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={o['max_new_tokens'][i]} that exceeds "
-                                   f"n_ctx={self.config.n_ctx} (pass truncate='left' to keep the newest tokens)")
-    if eos_token_id == "auto": eos_token_id = self.eos_token_id
-    eos = -1 if eos_token_id is None else int(eos_token_id)
-    stops, stop_strings = _stop_ids(self, stop)
+            else: raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new[i]} that exceeds "
+                                   f"n_ctx={n_ctx} (pass truncate='left' to keep the newest tokens)")
+    return ids
 
-    # bucket the shapes: batch, prompt and generation length round up to powers of two; a lone bf16 row gets a padding
-    # row on the CPU, whose matrix library multiplies bf16 natively only with 2 rows or more
-    least = 2 if jax.default_backend() == "cpu" and self.config.compute_dtype != "float32" else 1
-    Bb, P, N = _bucket(B, least), _bucket(max(map(len, ids))), _bucket(n_new)
-    if self.mesh is not None:
-        rows = self.mesh.shape["dp"] * self.mesh.shape["fsdp"]
+# %% ../nbs/05_sampling.ipynb #6867f32d
+def _bucket(n, least=16): return max(least, 1 << max(0, n - 1).bit_length())
+
+def _batch(lm: LM, ids: list, o: dict):
+    "Left-padded `tokens`, `mask` `[Bb, P]`, the `Options` and `limit` `[Bb]`, and the bucketed generation length `N`."
+    B = len(ids)
+    # a lone bf16 row gets a padding row on the CPU, whose matrix library multiplies bf16 natively only with 2 rows or more
+    least = 2 if jax.default_backend() == "cpu" and lm.config.compute_dtype != "float32" else 1
+    Bb, P, N = _bucket(B, least), _bucket(max(map(len, ids))), _bucket(int(o["max_new_tokens"].max()))
+    if lm.mesh is not None:
+        rows = lm.mesh.shape["dp"] * lm.mesh.shape["fsdp"]
         Bb = -(-Bb // rows) * rows
     tokens = np.zeros((Bb, P), np.int32); mask = np.zeros((Bb, P), np.int32)
     for i, p in enumerate(ids): tokens[i, P - len(p):] = p; mask[i, P - len(p):] = 1
@@ -270,31 +281,31 @@ def generate(self: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, 
     pad = lambda a, v: np.concatenate([a, np.full(Bb - B, v, a.dtype)])
     opts = Options(pad(o["temperature"], 0), pad(np.maximum(o["top_k"], 0), 0), pad(o["top_p"], 1), pad(o["repetition_penalty"], 1),
                    pad(o["seed"], 0))
-    limit = pad(o["max_new_tokens"], 1)
-    fns = _compiled(self)
-    cache = fns.empty_cache(Bb, P + N)
-    if self.mesh is not None:   # prompts split over dp × fsdp, like the cache
-        tokens, mask = (jax.device_put(x, NamedSharding(self.mesh, fit_spec(P_(BATCH), x.shape, self.mesh))) for x in (tokens, mask))
-    lora = self.lora
-    def call(f, *args, **kw):   # the weights are read under the lock at each device call: a training step in another
-        with self.lock:         # thread donates them, and then the next call takes the new ones
-            if self.lora is not lora: raise RuntimeError("the model's LoRA adapters were merged or replaced during this generation: generate again")
-            return f(*self._weights(), *args, **kw)
-    cache, last, seen = call(fns.prefill, tokens, mask, cache)
-    state = State(cache, last, jnp.zeros((Bb, N), jnp.int32), jnp.zeros((Bb, N), jnp.float32), seen,
-                  jnp.asarray(np.arange(Bb) >= B), jnp.zeros((Bb,), jnp.int32), jnp.zeros((), jnp.int32))
-    run = partial(call, fns.decode, opts=opts, limit=limit, eos=eos, stops=stops)
-    if stream: return Stream(self, run, state, B, eos, stops, stop_strings, chunk)
-    if stop_strings:   # the host compares the text every `chunk` steps, and ends the rows that reach a stop string
-        for state in self._chunks(run, state, B, eos, stop_strings, chunk): pass
-    else: state = run(state, until=N)
-    return self._finish(state, B, eos, stops, stop_strings, logprobs)
+    if lm.mesh is not None:   # prompts split over dp × fsdp, like the cache
+        tokens, mask = (jax.device_put(x, NamedSharding(lm.mesh, fit_spec(P_(BATCH), x.shape, lm.mesh))) for x in (tokens, mask))
+    return tokens, mask, opts, pad(o["max_new_tokens"], 1), N
 
-# %% ../nbs/05_sampling.ipynb #e2a8ee90
-def _cut(text, stop_strings):
+# %% ../nbs/05_sampling.ipynb #e8d039a9
+def _on_weights(lm: LM):
+    "`call(f, *args)`: `f(*lm.weights(), *args)` under `lm.lock`, refused once `lm`'s adapters are not those of now."
+    lora = lm.lora
+    def call(f, *args, **kw):
+        with lm.lock:
+            if lm.lora is not lora: raise RuntimeError("the model's LoRA adapters were merged or replaced during this generation: generate again")
+            return f(*lm.weights(), *args, **kw)
+    return call
+
+# %% ../nbs/05_sampling.ipynb #38e5aa43
+def cut_at_stop(text: str, stop_strings) -> tuple[str, bool]:
+    "`text` up to the first of `stop_strings` it holds, and whether it held one."
     cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=-1)
     return (text, False) if cut < 0 else (text[:cut], True)
 
+def token_text(lm: LM, toks, eos: int) -> str:
+    "The text of generated tokens `toks`, without the end-of-text token `eos` (empty for a model without a tokenizer)."
+    return lm.tokenizer.decode([t for t in toks if t != eos]) if lm.tokenizer is not None else ""
+
+# %% ../nbs/05_sampling.ipynb #e2a8ee90
 def _ends_with(toks, stops):
     return any(toks[-len(s):] == s for s in ([int(t) for t in row if t >= 0] for row in stops) if s and len(toks) >= len(s))
 
@@ -305,59 +316,55 @@ def _host(x) -> np.ndarray:
     from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
-@patch
-def _text(self: LM, toks, eos):
-    return self.tokenizer.decode([t for t in toks if t != eos]) if self.tokenizer is not None else ""
-
-@patch
-def _finish(self: LM, state, B, eos, stops, stop_strings, want_logprobs):
+def _finish(lm: LM, state, B, eos, stops, stop_strings, want_logprobs) -> Generation:
     out, length, logp = (_host(x) for x in (state.out, state.length, state.logp))
     texts, tokens, reasons, lps = [], [], [], []
     for i in range(B):
         toks = out[i, :length[i]].tolist()
-        text, hit = _cut(self._text(toks, eos), stop_strings)
+        text, hit = cut_at_stop(token_text(lm, toks, eos), stop_strings)
         ended = hit or (bool(toks) and toks[-1] == eos) or _ends_with(toks, stops)
         texts.append(text); tokens.append(toks); lps.append(logp[i, :length[i]].tolist())
         reasons.append("stop" if ended else "length")
     return Generation(texts, tokens, reasons, lps if want_logprobs else None)
 
-@patch
-def _first_stop(self: LM, toks, eos, stop_strings, start: int = 0):
+# %% ../nbs/05_sampling.ipynb #b61621d8
+def _first_stop(lm: LM, toks, eos, stop_strings, start: int = 0):
     "The fewest tokens of `toks` whose text holds a stop string (searched from `start`), or None."
-    if not _cut(self._text(toks, eos), stop_strings)[1]: return None
+    if not cut_at_stop(token_text(lm, toks, eos), stop_strings)[1]: return None
     lo, hi = start, len(toks)        # the text of `hi` tokens holds one; of `lo`, none (once decoded, text only grows)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if _cut(self._text(toks[:mid], eos), stop_strings)[1]: hi = mid
+        if cut_at_stop(token_text(lm, toks[:mid], eos), stop_strings)[1]: hi = mid
         else: lo = mid
     return hi
 
-@patch
-def _end_at_stop_strings(self: LM, state, B, eos, stop_strings, checked):
+def _end_at_stop_strings(lm: LM, state, B, eos, stop_strings, checked):
     "End each live row whose text reaches a stop string at the token that completes it (`checked`: rows' lengths seen before)."
     out, length, done = (np.array(_host(x)) for x in (state.out, state.length, state.done))
-    hits = {i: self._first_stop(out[i, :length[i]].tolist(), eos, stop_strings, checked[i]) for i in range(B) if not done[i]}
+    hits = {i: _first_stop(lm, out[i, :length[i]].tolist(), eos, stop_strings, checked[i]) for i in range(B) if not done[i]}
     hits = {i: k for i, k in hits.items() if k is not None}
     checked[:B] = length[:B]
     if not hits: return state
     for i, k in hits.items(): length[i], done[i] = k, True
     return state._replace(length=jax.device_put(length, state.length.sharding), done=jax.device_put(done, state.done.sharding))
 
-@patch
-def _chunks(self: LM, run, state, B, eos, stop_strings, chunk) -> Iterator[State]:
+# %% ../nbs/05_sampling.ipynb #9409ecf0
+def _chunks(lm: LM, run, state, B, eos, stop_strings, chunk) -> Iterator[State]:
     "Run the decode loop `chunk` steps per device call, ending rows at stop strings in between; yield each new state."
     N, checked = state.out.shape[1], np.zeros(B, np.int64)
     while True:
         until = min(int(state.step) + chunk, N)
         state = run(state, until=until)
-        if stop_strings: state = self._end_at_stop_strings(state, B, eos, stop_strings, checked)
+        if stop_strings: state = _end_at_stop_strings(lm, state, B, eos, stop_strings, checked)
         yield state
         if _host(state.done)[:B].all() or until >= N: return
 
+# %% ../nbs/05_sampling.ipynb #922096d9
 def _held(text, stop_strings):
     "How many characters at the end of `text` could begin a stop string (not to be shown until the next tokens tell)."
     return max((n for s in stop_strings for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
 
+# %% ../nbs/05_sampling.ipynb #4fea86a6
 class Stream:
     """What `generate(stream=True)` returns: an iterator of `(row, new text)` pieces, `chunk` decode steps per device
     call. Once it is exhausted, `finish_reasons` and `tokens` hold each row's, as in `Generation`."""
@@ -370,14 +377,50 @@ class Stream:
 
     def _produce(self, lm, run, state, B, eos, stops, stop_strings, chunk):
         sent = [""] * B
-        for state in lm._chunks(run, state, B, eos, stop_strings, chunk):
+        for state in _chunks(lm, run, state, B, eos, stop_strings, chunk):
             out, length, done = (_host(x) for x in (state.out, state.length, state.done))
             for i in range(B):
-                text, hit = _cut(lm._text(out[i, :length[i]].tolist(), eos), stop_strings)
+                text, hit = cut_at_stop(token_text(lm, out[i, :length[i]].tolist(), eos), stop_strings)
                 if not (hit or done[i]):   # hold back a half-decoded character, and what may be a stop string's start
                     text = text.rstrip("\ufffd")
                     text = text[:len(text) - _held(text, stop_strings)]
                 if len(text) > len(sent[i]) and text.startswith(sent[i]):
                     yield i, text[len(sent[i]):]; sent[i] = text
-        g = lm._finish(state, B, eos, stops, stop_strings, False)
+        g = _finish(lm, state, B, eos, stops, stop_strings, False)
         self.finish_reasons, self.tokens = g.finish_reasons, g.tokens
+
+# %% ../nbs/05_sampling.ipynb #f67ace38
+def generate(lm: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, top_p=None, repetition_penalty=None,
+             stop=None, seed=0, stream=False, logprobs=False, truncate=None, eos_token_id="auto", chunk=8) -> Generation | Stream:
+    "`lm.generate(prompts, ...)`: continue each prompt on `lm`. The options are documented with `LM.generate`."
+    ids = _encode_prompts(lm, prompts)
+    B = len(ids)
+    o = _row_options(B, temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                     max_new_tokens=max_new_tokens, seed=seed)
+    if stream and logprobs: raise ValueError("logprobs are not streamed: call generate without stream=True for them")
+    ids = _fit(lm, ids, o["max_new_tokens"], truncate)
+    if eos_token_id == "auto": eos_token_id = lm.eos_token_id
+    eos = -1 if eos_token_id is None else int(eos_token_id)
+    stops, stop_strings = _stop_ids(lm, stop)
+    tokens, mask, opts, limit, N = _batch(lm, ids, o)
+    (Bb, P), fns, call = tokens.shape, _compiled(lm), _on_weights(lm)
+    cache, last, seen = call(fns.prefill, tokens, mask, fns.empty_cache(Bb, P + N))
+    state = State(cache, last, jnp.zeros((Bb, N), jnp.int32), jnp.zeros((Bb, N), jnp.float32), seen,
+                  jnp.asarray(np.arange(Bb) >= B), jnp.zeros((Bb,), jnp.int32), jnp.zeros((), jnp.int32))
+    run = partial(call, fns.decode, opts=opts, limit=limit, eos=eos, stops=stops)
+    if stream: return Stream(lm, run, state, B, eos, stops, stop_strings, chunk)
+    if stop_strings:   # the host compares the text every `chunk` steps, and ends the rows that reach a stop string
+        for state in _chunks(lm, run, state, B, eos, stop_strings, chunk): pass
+    else: state = run(state, until=N)
+    return _finish(lm, state, B, eos, stops, stop_strings, logprobs)
+
+# %% ../nbs/05_sampling.ipynb #16d34bae
+_STOP_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+def unescape_stop(text: str) -> str:
+    "A stop sequence as typed on one line: `\\n`, `\\t`, `\\r` become a newline, tab, carriage return, `\\\\` a backslash."
+    return re.sub(r"\\([ntr\\])", lambda m: _STOP_ESCAPES[m[1]], text)
+
+def escape_stop(text: str) -> str:
+    "The inverse of `unescape_stop`: a stop sequence written on one line (for a text box)."
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t").replace("\r", "\\r")

@@ -8,6 +8,7 @@ Docs: https://meshtx.github.io/meshtx/serve.html.md"""
 from __future__ import annotations
 import asyncio, collections, contextlib, json, math, re, secrets, threading, time, uuid
 from dataclasses import dataclass, field
+from fastcore.basics import patch
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -16,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from .lm import LM
-from .sampling import _cut   # importing it adds LM.generate
+from .sampling import cut_at_stop, token_text
 
 # %% auto #0
 __all__ = ['RequestError', 'Job', 'parse_completions', 'default_complete_tokens', 'parse_complete', 'Batcher', 'make_app',
@@ -34,7 +35,7 @@ class RequestError(Exception):
 
     def response(self) -> JSONResponse: return JSONResponse(self.body(), self.status)
 
-# %% ../nbs/10_serve.ipynb #8c2e6e3c
+# %% ../nbs/10_serve.ipynb #83dabdb3
 def _is_int(v): return isinstance(v, int) and not isinstance(v, bool)
 
 def _number(body: dict, name: str, default, ok, what: str, lenient=False):
@@ -47,6 +48,7 @@ def _number(body: dict, name: str, default, ok, what: str, lenient=False):
         raise RequestError(f"invalid {name}={v!r}: must be {what}", name)
     return float(v)
 
+# %% ../nbs/10_serve.ipynb #004fd055
 def _integer(body: dict, name: str, default, ok, what: str, lenient=False):
     "The integer `body[name]` (or `default`), checked by `ok`; whole floats like `16.0` are accepted."
     v = body.get(name)
@@ -112,7 +114,7 @@ class Job:
     def __post_init__(self):
         if self.top_p == 0: self.temperature, self.top_p = 0.0, 1.0   # the limit of top-p → 0 is greedy
 
-# %% ../nbs/10_serve.ipynb #cf3934da
+# %% ../nbs/10_serve.ipynb #2aab84d0
 def _sampling(body: dict, n_ctx: int, max_tokens: int, lenient=False) -> dict:
     "The options every endpoint shares, read from `body` under OpenAI's names."
     seed = _integer(body, "seed", None, lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)")
@@ -124,6 +126,7 @@ def _sampling(body: dict, n_ctx: int, max_tokens: int, lenient=False) -> dict:
         repetition_penalty=_number(body, "repetition_penalty", 1.0, lambda v: v > 0, "a number > 0", lenient),
         seed=secrets.randbits(32) if seed is None else seed)
 
+# %% ../nbs/10_serve.ipynb #4043157f
 def _refuse_other_names(body: dict, names: dict):
     "A 400 for an option spelled as another front-end spells it (`names`: theirs → ours), instead of ignoring it."
     for theirs, ours in names.items():
@@ -138,6 +141,7 @@ def _include_usage(v, stream: bool) -> bool:
         raise RequestError('invalid stream_options: must be an object like {"include_usage": true}', "stream_options")
     return bool(u)
 
+# %% ../nbs/10_serve.ipynb #2c9c4880
 def parse_completions(body: dict, n_ctx: int) -> tuple[Job, bool]:
     "Validate an OpenAI `/v1/completions` body: the `Job` to run, and whether to echo the prompt."
     if "prompt" not in body: raise RequestError("prompt is required", "prompt")
@@ -171,7 +175,7 @@ def parse_complete(body: dict, n_ctx: int) -> Job:
         raise RequestError(e.message.replace("temperature", temp), temp) from None
     return Job([_text(body["context"], "context")], **opts, stop=_stop(body.get("stop")), truncate=True)
 
-# %% ../nbs/10_serve.ipynb #c03f01cf
+# %% ../nbs/10_serve.ipynb #3b32045c
 def _param_of(message: str) -> str | None:
     "The API field a `generate` error message is about."
     m = re.search(r"invalid (\w+)=", message)
@@ -179,17 +183,13 @@ def _param_of(message: str) -> str | None:
     if m: return names.get(m.group(1), m.group(1))
     return "prompt" if ("prompt" in message or "n_ctx" in message) else None
 
-def _resolve(fut, result=None, error=None):
-    if fut.done(): return
-    if error is not None: fut.set_exception(error)
-    else: fut.set_result(result)
-
 def _shutting_down() -> RequestError: return RequestError("the server is shutting down", status=503, type="server_error")
 
 def _as_request_error(e: Exception) -> RequestError:
     "A `generate` `ValueError` as a 400 naming the field it is about."
     return e if isinstance(e, RequestError) else RequestError(str(e), _param_of(str(e)))
 
+# %% ../nbs/10_serve.ipynb #c9de5d46
 class Batcher:
     "Runs `Job`s on `lm` from one worker thread, batching up to `max_batch` prompts that arrive within `batch_wait_ms`."
     def __init__(self, lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, stream_chunk=8):
@@ -200,222 +200,270 @@ class Batcher:
         self._cv, self._thread, self._closed, self._abort, self.busy = threading.Condition(), None, False, False, 0
         self.calls, self.batch_sizes = 0, collections.Counter()
 
-    # --- the event-loop side ---------------------------------------------------------------------------
-    def submit(self, job: Job):
-        "Queue `job`, or raise a 503 `RequestError` if the queue is full (or the server is stopping)."
-        n = len(job.prompts)
-        if n > self.max_queue:
-            raise RequestError(f"prompt has {n} entries; this server queues at most {self.max_queue}", "prompt")
-        with self._cv:
-            if self._closed: raise _shutting_down()
-            if self._queued + n > self.max_queue:
-                raise RequestError(f"the server is busy: {self._queued} prompts are queued (at most {self.max_queue}); "
-                                   "try again later", status=503, type="server_error")
-            self._queue.append(job); self._queued += n
-            self._cv.notify()
-            self.start()
-
-    def cancel(self, job: Job):
-        "The client of `job` is gone (or answered): take it out of the queue, or stop it at its batch's next chunk."
-        job.cancelled = True
-        with self._cv:
-            for k, j in enumerate(self._queue):
-                if j is job:
-                    del self._queue[k]; self._queued -= len(j.prompts)
-                    return
-
-    async def complete(self, job: Job) -> list[dict]:
-        "Run a plain job; one result dict per prompt (`text`, `finish_reason`, token counts, `prompt_text`)."
-        job._loop = asyncio.get_running_loop()
-        job._done = job._loop.create_future()
-        self.submit(job)
-        try: return await job._done
-        finally: self.cancel(job)   # cancelled (a client that went away): skipped if queued, stopped if running
-
-    async def stream(self, job: Job):
-        "Run a streamed job: yields `('start', prompt_texts)`, `('text', index, piece)`..., `('done', results)`."
-        job._loop, job._events = asyncio.get_running_loop(), asyncio.Queue()
-        self.submit(job)
-        try:
-            while True:
-                event = await job._events.get()
-                if event[0] == "error": raise event[1]
-                yield event
-                if event[0] == "done": return
-        finally: self.cancel(job)   # a client that disconnects stops its generation at the next chunk
-
     def stats(self) -> dict:
         return {"queued": self._queued, "max_queue": self.max_queue, "max_batch": self.max_batch, "busy": bool(self.busy),
                 "generate_calls": self.calls, "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())}}
 
-    # --- lifecycle ---------------------------------------------------------------------------------------
-    def start(self, reopen=False):
-        "Start the worker thread (if not running); `reopen` also restarts a closed batcher (a restarted app)."
-        with self._cv:
-            if reopen and self._closed and (self._thread is None or not self._thread.is_alive()):
-                self._closed, self._abort, self._thread = False, False, None
-            if self._thread is None and not self._closed:
-                self._thread = threading.Thread(target=self._work, name="meshtx-serve-worker", daemon=True)
-                self._thread.start()
+# %% ../nbs/10_serve.ipynb #cb6e8b97
+@patch
+def submit(self: Batcher, job: Job):
+    "Queue `job`, or raise a 503 `RequestError` if the queue is full (or the server is stopping)."
+    n = len(job.prompts)
+    if n > self.max_queue:
+        raise RequestError(f"prompt has {n} entries; this server queues at most {self.max_queue}", "prompt")
+    with self._cv:
+        if self._closed: raise _shutting_down()
+        if self._queued + n > self.max_queue:
+            raise RequestError(f"the server is busy: {self._queued} prompts are queued (at most {self.max_queue}); "
+                               "try again later", status=503, type="server_error")
+        self._queue.append(job); self._queued += n
+        self._cv.notify()
+        self.start()
 
-    def close(self, timeout=30.0, abort=False):
-        """Stop taking jobs: queued jobs get a 503 now, and a running stream gets one at its next chunk; a running plain
-        batch finishes, unless `abort` (then it too ends at its next chunk, with a 503). Waits up to `timeout` s for the worker."""
-        with self._cv:
-            self._closed, self._abort = True, self._abort or abort
-            pending, self._queue, self._queued = list(self._queue), collections.deque(), 0
-            self._cv.notify_all()
-        for job in pending: self._fail(job, _shutting_down())
-        if self._thread is not None: self._thread.join(timeout)
-
-    # --- the worker side ---------------------------------------------------------------------------------
-    def _send(self, job: Job, fn, *args):
-        try: job._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError: pass   # the request's event loop is closed: nobody is waiting
-
-    def _fail(self, job: Job, error: RequestError):
-        if job.stream: self._send(job, job._events.put_nowait, ("error", error))
-        else: self._send(job, _resolve, job._done, None, error)
-
-    def _take(self) -> list[Job] | None:
-        "The next jobs to run: one streamed job, or plain jobs with at most `max_batch` prompts (at least one job)."
-        with self._cv:
-            while not self._queue and not self._closed: self._cv.wait()
-            if self._closed: return None
-            if self._queue[0].stream:
-                job = self._queue.popleft(); self._queued -= len(job.prompts)
-                return [job]
-            deadline = time.monotonic() + self.batch_wait
-            while not self._closed and sum(len(j.prompts) for j in self._queue if not j.stream) < self.max_batch:
-                left = deadline - time.monotonic()
-                if left <= 0: break
-                self._cv.wait(left)
-            batch, keep, rows = [], collections.deque(), 0
-            for job in self._queue:
-                if not job.stream and (not batch or rows + len(job.prompts) <= self.max_batch):
-                    batch.append(job); rows += len(job.prompts)
-                else: keep.append(job)
-            self._queue = keep
-            self._queued -= rows
-            return batch
-
-    def _work(self):
-        while (jobs := self._take()) is not None:
-            self.busy = len(jobs)
-            try:
-                if jobs[0].stream: self._run_stream(jobs[0])
-                else: self._run_batch(jobs)
-            except Exception as e:   # a bug or a device error: fail this batch, keep serving
-                for job in jobs: self._fail(job, RequestError(f"{type(e).__name__}: {e}", status=500, type="server_error"))
-            finally: self.busy = 0
-
-    def _encode(self, job: Job):
-        "Tokenize `job`'s prompts into `job.ids`, checking each fits the context with `max_tokens` new tokens."
-        tok, n_ctx, V = self.lm.tokenizer, self.lm.config.n_ctx, self.lm.config.n_vocab
-        room, ids = n_ctx - job.max_tokens, []
-        if job.stop and tok is None: raise RequestError("this model has no tokenizer, so it cannot match stop strings", "stop")
-        for i, p in enumerate(job.prompts):
-            if isinstance(p, str):
-                if tok is None: raise RequestError("this model has no tokenizer: send token ids", "prompt")
-                p = tok(p).input_ids if p else []
-            elif min(p) < 0 or max(p) >= V: raise RequestError(f"prompt {i} has token ids outside [0, {V})", "prompt")
-            p = p or [self.lm.document_start]   # an empty prompt starts a new document, as OpenAI's default does
-            if len(p) > room:
-                if not job.truncate:
-                    raise RequestError(f"prompt {i} has {len(p)} tokens; with max_tokens={job.max_tokens} that exceeds "
-                                       f"the model's context of n_ctx={n_ctx} tokens", "prompt")
-                p = p[len(p) - room:]
-            ids.append(list(p))
-        job.ids = ids
-
-    def _prompt_text(self, p):
-        if isinstance(p, str): return p
-        return self.lm.tokenizer.decode(p) if self.lm.tokenizer is not None else ""
-
-    def _options(self, rows: list) -> dict:
-        "`generate`'s per-row options for `rows`, `(job, prompt index)` pairs: prompt `i` of a job samples with its seed + i."
-        return dict(max_new_tokens=[j.max_tokens for j, _ in rows], temperature=[j.temperature for j, _ in rows],
-                    top_p=[j.top_p for j, _ in rows], top_k=[j.top_k for j, _ in rows],
-                    repetition_penalty=[j.repetition_penalty for j, _ in rows], seed=[(j.seed + i) % 2**32 for j, i in rows],
-                    stop=list(rows[0][0].stop) if rows[0][0].stop else None)
-
-    def _stopping(self, jobs: list[Job], stream=False) -> bool:
-        "Whether to stop running `jobs`: all their clients are gone, or the server is quitting (or stopping, for a stream)."
-        return all(j.cancelled for j in jobs) or self._abort or (stream and self._closed)
-
-    def _stopped(self, jobs: list[Job]):
-        for job in jobs:
-            if not job.cancelled: self._fail(job, _shutting_down())
-
-    def _open(self, rows: list, stream=False):
-        "Start one `generate` call for `rows` (at most `max_batch`): `stream_chunk` tokens per device call, 4× that if plain."
-        chunk = self.stream_chunk * (1 if stream else 4)   # plain: fewer host round trips; still stops soon after its clients go
-        pieces = self.lm.generate([j.ids[i] for j, i in rows], stream=True, chunk=chunk, **self._options(rows))
-        self.calls += 1; self.batch_sizes[len(rows)] += 1
-        return pieces
-
-    def _drain(self, rows: list, pieces, stream=False, on_piece=None) -> list[dict] | None:
-        "Run `pieces` (from `_open(rows)`) to the end: each row's result; None if it stopped early (see `_stopping`)."
-        jobs = list({id(j): j for j, _ in rows}.values())
-        for k, piece in pieces:   # between chunks: is anybody still waiting?
-            if self._stopping(jobs, stream): pieces.close(); return None
-            if on_piece: on_piece(k, piece)
-        eos, stop = self.lm.eos_token_id, list(rows[0][0].stop or ())   # the text as `generate` gives it (`_finish`)
-        return [dict(text=_cut(self.lm._text(toks, eos), stop)[0], finish_reason=why, completion_tokens=len(toks),
-                     prompt_tokens=len(j.ids[i]), prompt_text=self._prompt_text(j.prompts[i]))
-                for (j, i), why, toks in zip(rows, pieces.finish_reasons, pieces.tokens)]
-
-    def _run_batch(self, jobs: list[Job]):
-        ready = []
-        for job in jobs:
-            if job.cancelled: continue
-            try: self._encode(job); ready.append(job)
-            except RequestError as e: self._fail(job, e)
-            except Exception as e: self._fail(job, RequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}", "prompt"))
-        n_ctx, groups = self.lm.config.n_ctx, []
-        fits = lambda js: max(len(p) for j in js for p in j.ids) + max(j.max_tokens for j in js) <= n_ctx
-        for job in ready:
-            group = next((g for g in groups if g[0].stop == job.stop and fits(g + [job])), None)
-            if group is None: groups.append([job])
-            else: group.append(job)
-        for group in groups: self._generate(group)
-
-    def _generate(self, jobs: list[Job]):
-        "Run a group's prompts as `generate` calls of at most `max_batch` rows (one job may have more), and answer each job."
-        rows, results = [(j, i) for j in jobs for i in range(len(j.ids))], []
-        for s in range(0, len(rows), self.max_batch):
-            if self._closed or self._stopping(jobs): return self._stopped(jobs)
-            part = rows[s:s + self.max_batch]
-            try: got = self._drain(part, self._open(part))
-            except ValueError as e:
-                if len(jobs) == 1: return self._fail(jobs[0], _as_request_error(e))
-                for job in jobs: self._generate([job])   # retried alone, so that only the bad job gets the error
+# %% ../nbs/10_serve.ipynb #8c7e9d23
+@patch
+def cancel(self: Batcher, job: Job):
+    "The client of `job` is gone (or answered): take it out of the queue, or stop it at its batch's next chunk."
+    job.cancelled = True
+    with self._cv:
+        for k, j in enumerate(self._queue):
+            if j is job:
+                del self._queue[k]; self._queued -= len(j.prompts)
                 return
-            if got is None: return self._stopped(jobs)
-            results += got
-        k = 0
-        for job in jobs:
-            self._send(job, _resolve, job._done, results[k:k + len(job.ids)]); k += len(job.ids)
 
-    def _run_stream(self, job: Job):
-        if job.cancelled: return
-        push = lambda event: self._send(job, job._events.put_nowait, event)
-        try: self._encode(job)
-        except (RequestError, ValueError) as e: return push(("error", _as_request_error(e)))
-        rows, results = [(job, i) for i in range(len(job.ids))], []
-        for s in range(0, len(rows), self.max_batch):   # more prompts than `max_batch`: `max_batch` at a time, in turn
-            if self._stopping([job], stream=True): return self._stopped([job])
-            part = rows[s:s + self.max_batch]
-            try: pieces = self._open(part, stream=True)
-            except ValueError as e: return push(("error", _as_request_error(e)))
-            if s == 0: push(("start", [self._prompt_text(p) for p in job.prompts]))
-            got = self._drain(part, pieces, stream=True, on_piece=lambda k, piece: push(("text", s + k, piece)))
-            if got is None: return self._stopped([job])
-            results += got
-        push(("done", results))
+# %% ../nbs/10_serve.ipynb #f6d87e64
+def _next_batch(queue, max_batch: int) -> tuple[list[Job], collections.deque]:
+    "The plain jobs of `queue` to run together, in order, at most `max_batch` prompts (at least one job); and the rest."
+    batch, keep, rows = [], collections.deque(), 0
+    for job in queue:
+        if not job.stream and (not batch or rows + len(job.prompts) <= max_batch):
+            batch.append(job); rows += len(job.prompts)
+        else: keep.append(job)
+    return batch, keep
 
+# %% ../nbs/10_serve.ipynb #b2dbb083
+@patch
+def _take(self: Batcher) -> list[Job] | None:
+    "The next jobs to run: one streamed job, or plain jobs with at most `max_batch` prompts (at least one job)."
+    with self._cv:
+        while not self._queue and not self._closed: self._cv.wait()
+        if self._closed: return None
+        if self._queue[0].stream:
+            job = self._queue.popleft(); self._queued -= len(job.prompts)
+            return [job]
+        deadline = time.monotonic() + self.batch_wait
+        while not self._closed and sum(len(j.prompts) for j in self._queue if not j.stream) < self.max_batch:
+            left = deadline - time.monotonic()
+            if left <= 0: break
+            self._cv.wait(left)
+        batch, self._queue = _next_batch(self._queue, self.max_batch)
+        self._queued -= sum(len(j.prompts) for j in batch)
+        return batch
 
-# %% ../nbs/10_serve.ipynb #a67f7c67
+# %% ../nbs/10_serve.ipynb #68852ae8
+def _resolve(fut, result=None, error=None):
+    if fut.done(): return
+    if error is not None: fut.set_exception(error)
+    else: fut.set_result(result)
+
+@patch
+def _send(self: Batcher, job: Job, fn, *args):
+    try: job._loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError: pass   # the request's event loop is closed: nobody is waiting
+
+@patch
+def _fail(self: Batcher, job: Job, error: RequestError):
+    if job.stream: self._send(job, job._events.put_nowait, ("error", error))
+    else: self._send(job, _resolve, job._done, None, error)
+
+# %% ../nbs/10_serve.ipynb #369a79db
+@patch
+def _encode(self: Batcher, job: Job):
+    "Tokenize `job`'s prompts into `job.ids`, checking each fits the context with `max_tokens` new tokens."
+    tok, n_ctx, V = self.lm.tokenizer, self.lm.config.n_ctx, self.lm.config.n_vocab
+    room, ids = n_ctx - job.max_tokens, []
+    if job.stop and tok is None: raise RequestError("this model has no tokenizer, so it cannot match stop strings", "stop")
+    for i, p in enumerate(job.prompts):
+        if isinstance(p, str):
+            if tok is None: raise RequestError("this model has no tokenizer: send token ids", "prompt")
+            p = tok(p).input_ids if p else []
+        elif min(p) < 0 or max(p) >= V: raise RequestError(f"prompt {i} has token ids outside [0, {V})", "prompt")
+        p = p or [self.lm.document_start]   # an empty prompt starts a new document, as OpenAI's default does
+        if len(p) > room:
+            if not job.truncate:
+                raise RequestError(f"prompt {i} has {len(p)} tokens; with max_tokens={job.max_tokens} that exceeds "
+                                   f"the model's context of n_ctx={n_ctx} tokens", "prompt")
+            p = p[len(p) - room:]
+        ids.append(list(p))
+    job.ids = ids
+
+@patch
+def _prompt_text(self: Batcher, p):
+    if isinstance(p, str): return p
+    return self.lm.tokenizer.decode(p) if self.lm.tokenizer is not None else ""
+
+# %% ../nbs/10_serve.ipynb #0c3ce58c
+@patch
+def _options(self: Batcher, rows: list) -> dict:
+    "`generate`'s per-row options for `rows`, `(job, prompt index)` pairs: prompt `i` of a job samples with its seed + i."
+    return dict(max_new_tokens=[j.max_tokens for j, _ in rows], temperature=[j.temperature for j, _ in rows],
+                top_p=[j.top_p for j, _ in rows], top_k=[j.top_k for j, _ in rows],
+                repetition_penalty=[j.repetition_penalty for j, _ in rows], seed=[(j.seed + i) % 2**32 for j, i in rows],
+                stop=list(rows[0][0].stop) if rows[0][0].stop else None)
+
+# %% ../nbs/10_serve.ipynb #a28d2163
+def _groups(jobs: list[Job], n_ctx: int) -> list[list[Job]]:
+    "Encoded `jobs` in groups that one `generate` call runs: one `stop` each, longest prompt + most new tokens <= `n_ctx`."
+    groups = []
+    fits = lambda js: max(len(p) for j in js for p in j.ids) + max(j.max_tokens for j in js) <= n_ctx
+    for job in jobs:
+        group = next((g for g in groups if g[0].stop == job.stop and fits(g + [job])), None)
+        if group is None: groups.append([job])
+        else: group.append(job)
+    return groups
+
+# %% ../nbs/10_serve.ipynb #eda9f4ae
+@patch
+def _stopping(self: Batcher, jobs: list[Job], stream=False) -> bool:
+    "Whether to stop running `jobs`: all their clients are gone, or the server is quitting (or stopping, for a stream)."
+    return all(j.cancelled for j in jobs) or self._abort or (stream and self._closed)
+
+@patch
+def _stopped(self: Batcher, jobs: list[Job]):
+    for job in jobs:
+        if not job.cancelled: self._fail(job, _shutting_down())
+
+# %% ../nbs/10_serve.ipynb #6d3457a8
+@patch
+def _open(self: Batcher, rows: list, stream=False):
+    "Start one `generate` call for `rows` (at most `max_batch`): `stream_chunk` tokens per device call, 4× that if plain."
+    chunk = self.stream_chunk * (1 if stream else 4)   # plain: fewer host round trips; still stops soon after its clients go
+    pieces = self.lm.generate([j.ids[i] for j, i in rows], stream=True, chunk=chunk, **self._options(rows))
+    self.calls += 1; self.batch_sizes[len(rows)] += 1
+    return pieces
+
+# %% ../nbs/10_serve.ipynb #5c89e057
+@patch
+def _drain(self: Batcher, rows: list, pieces, stream=False, on_piece=None) -> list[dict] | None:
+    "Run `pieces` (from `_open(rows)`) to the end: each row's result; None if it stopped early (see `_stopping`)."
+    jobs = list({id(j): j for j, _ in rows}.values())
+    for k, piece in pieces:   # between chunks: is anybody still waiting?
+        if self._stopping(jobs, stream): pieces.close(); return None
+        if on_piece: on_piece(k, piece)
+    eos, stop = self.lm.eos_token_id, list(rows[0][0].stop or ())   # the text as `generate` gives it (`_finish`)
+    return [dict(text=cut_at_stop(token_text(self.lm, toks, eos), stop)[0], finish_reason=why, completion_tokens=len(toks),
+                 prompt_tokens=len(j.ids[i]), prompt_text=self._prompt_text(j.prompts[i]))
+            for (j, i), why, toks in zip(rows, pieces.finish_reasons, pieces.tokens)]
+
+# %% ../nbs/10_serve.ipynb #9b649ee7
+@patch
+def _run_batch(self: Batcher, jobs: list[Job]):
+    ready = []
+    for job in jobs:
+        if job.cancelled: continue
+        try: self._encode(job); ready.append(job)
+        except RequestError as e: self._fail(job, e)
+        except Exception as e: self._fail(job, RequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}", "prompt"))
+    for group in _groups(ready, self.lm.config.n_ctx): self._generate(group)
+
+# %% ../nbs/10_serve.ipynb #1b59ab48
+@patch
+def _generate(self: Batcher, jobs: list[Job]):
+    "Run a group's prompts as `generate` calls of at most `max_batch` rows (one job may have more), and answer each job."
+    rows, results = [(j, i) for j in jobs for i in range(len(j.ids))], []
+    for s in range(0, len(rows), self.max_batch):
+        if self._closed or self._stopping(jobs): return self._stopped(jobs)
+        part = rows[s:s + self.max_batch]
+        try: got = self._drain(part, self._open(part))
+        except ValueError as e:
+            if len(jobs) == 1: return self._fail(jobs[0], _as_request_error(e))
+            for job in jobs: self._generate([job])   # retried alone, so that only the bad job gets the error
+            return
+        if got is None: return self._stopped(jobs)
+        results += got
+    k = 0
+    for job in jobs:
+        self._send(job, _resolve, job._done, results[k:k + len(job.ids)]); k += len(job.ids)
+
+# %% ../nbs/10_serve.ipynb #cfa14624
+@patch
+def _run_stream(self: Batcher, job: Job):
+    if job.cancelled: return
+    push = lambda event: self._send(job, job._events.put_nowait, event)
+    try: self._encode(job)
+    except (RequestError, ValueError) as e: return push(("error", _as_request_error(e)))
+    rows, results = [(job, i) for i in range(len(job.ids))], []
+    for s in range(0, len(rows), self.max_batch):   # more prompts than `max_batch`: `max_batch` at a time, in turn
+        if self._stopping([job], stream=True): return self._stopped([job])
+        part = rows[s:s + self.max_batch]
+        try: pieces = self._open(part, stream=True)
+        except ValueError as e: return push(("error", _as_request_error(e)))
+        if s == 0: push(("start", [self._prompt_text(p) for p in job.prompts]))
+        got = self._drain(part, pieces, stream=True, on_piece=lambda k, piece: push(("text", s + k, piece)))
+        if got is None: return self._stopped([job])
+        results += got
+    push(("done", results))
+
+# %% ../nbs/10_serve.ipynb #26e647a1
+@patch
+def _work(self: Batcher):
+    while (jobs := self._take()) is not None:
+        self.busy = len(jobs)
+        try:
+            if jobs[0].stream: self._run_stream(jobs[0])
+            else: self._run_batch(jobs)
+        except Exception as e:   # a bug or a device error: fail this batch, keep serving
+            for job in jobs: self._fail(job, RequestError(f"{type(e).__name__}: {e}", status=500, type="server_error"))
+        finally: self.busy = 0
+
+# %% ../nbs/10_serve.ipynb #71426826
+@patch
+def start(self: Batcher, reopen=False):
+    "Start the worker thread (if not running); `reopen` also restarts a closed batcher (a restarted app)."
+    with self._cv:
+        if reopen and self._closed and (self._thread is None or not self._thread.is_alive()):
+            self._closed, self._abort, self._thread = False, False, None
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._work, name="meshtx-serve-worker", daemon=True)
+            self._thread.start()
+
+# %% ../nbs/10_serve.ipynb #7156279a
+@patch
+def close(self: Batcher, timeout=30.0, abort=False):
+    """Stop taking jobs: queued jobs get a 503 now, and a running stream gets one at its next chunk; a running plain
+    batch finishes, unless `abort` (then it too ends at its next chunk, with a 503). Waits up to `timeout` s for the worker."""
+    with self._cv:
+        self._closed, self._abort = True, self._abort or abort
+        pending, self._queue, self._queued = list(self._queue), collections.deque(), 0
+        self._cv.notify_all()
+    for job in pending: self._fail(job, _shutting_down())
+    if self._thread is not None: self._thread.join(timeout)
+
+# %% ../nbs/10_serve.ipynb #56ae8fd9
+@patch
+async def complete(self: Batcher, job: Job) -> list[dict]:
+    "Run a plain job; one result dict per prompt (`text`, `finish_reason`, token counts, `prompt_text`)."
+    job._loop = asyncio.get_running_loop()
+    job._done = job._loop.create_future()
+    self.submit(job)
+    try: return await job._done
+    finally: self.cancel(job)   # cancelled (a client that went away): skipped if queued, stopped if running
+
+# %% ../nbs/10_serve.ipynb #8c0f159d
+@patch
+async def stream(self: Batcher, job: Job):
+    "Run a streamed job: yields `('start', prompt_texts)`, `('text', index, piece)`..., `('done', results)`."
+    job._loop, job._events = asyncio.get_running_loop(), asyncio.Queue()
+    self.submit(job)
+    try:
+        while True:
+            event = await job._events.get()
+            if event[0] == "error": raise event[1]
+            yield event
+            if event[0] == "done": return
+    finally: self.cancel(job)   # a client that disconnects stops its generation at the next chunk
+
+# %% ../nbs/10_serve.ipynb #5c4399e9
 async def _read_json(request: Request) -> dict:
     ct = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ct != "application/json":
@@ -427,6 +475,7 @@ async def _read_json(request: Request) -> dict:
     if not isinstance(body, dict): raise RequestError("the JSON body must be an object")
     return body
 
+# %% ../nbs/10_serve.ipynb #985359b8
 async def _disconnected(request: Request):
     "Return once the client has closed the connection (ASGI's `http.disconnect`; the body was read already)."
     while (await request.receive())["type"] != "http.disconnect": pass
@@ -442,11 +491,19 @@ async def _unless_gone(request: Request, aw):
     if work.done() and not work.cancelled(): return work.result()
     raise RequestError("the client closed the connection", status=499, type="client_closed")
 
-def _sse(data) -> str: return f"data: {json.dumps(data)}\n\n"
-
+# %% ../nbs/10_serve.ipynb #a0696375
 def _usage(results: list[dict]) -> dict:
     p, c = sum(r["prompt_tokens"] for r in results), sum(r["completion_tokens"] for r in results)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+def _answer(meta: dict, results: list[dict], echo: bool) -> dict:
+    "The body of a plain `/v1/completions` answer: `meta` (id, model, ...), a choice per result and the token counts."
+    choices = [{"text": (r["prompt_text"] if echo else "") + r["text"], "index": i, "logprobs": None,
+                "finish_reason": r["finish_reason"]} for i, r in enumerate(results)]
+    return {**meta, "choices": choices, "usage": _usage(results)}
+
+# %% ../nbs/10_serve.ipynb #cee8b8cc
+def _sse(data) -> str: return f"data: {json.dumps(data)}\n\n"
 
 async def _event_stream(meta: dict, first, events, echo: bool, usage=False):
     "Server-sent events in OpenAI's format from the batcher's `stream` events (and a `usage` chunk); always ends with `[DONE]`."
@@ -466,6 +523,13 @@ async def _event_stream(meta: dict, first, events, echo: bool, usage=False):
     finally: await events.aclose()
     yield "data: [DONE]\n\n"
 
+# %% ../nbs/10_serve.ipynb #2bfdeecb
+async def _on_request_error(request, e: RequestError): return e.response()
+async def _on_http_error(request, e: HTTPException):
+    return JSONResponse({"error": {"message": e.detail, "type": "invalid_request_error", "param": None, "code": None}},
+                        e.status_code, headers=getattr(e, "headers", None))
+
+# %% ../nbs/10_serve.ipynb #201d8ca6
 def make_app(lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, model_name="meshtx", stream_chunk=8,
              cors_origins=()) -> Starlette:
     "The Starlette app serving `lm`: `/complete`, `/v1/completions`, `/v1/models` and `/stats`."
@@ -490,20 +554,13 @@ def make_app(lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, model_name="m
             return StreamingResponse(_event_stream(meta, first, events, echo, job.include_usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         results = await _unless_gone(request, batcher.complete(job))
-        choices = [{"text": (r["prompt_text"] if echo else "") + r["text"], "index": i, "logprobs": None,
-                    "finish_reason": r["finish_reason"]} for i, r in enumerate(results)]
-        return JSONResponse({**meta, "choices": choices, "usage": _usage(results)})
+        return JSONResponse(_answer(meta, results, echo))
 
     async def models(request):
         return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                                          "owned_by": "meshtx", "max_model_len": n_ctx}]})
 
     async def stats(request): return JSONResponse(batcher.stats())
-
-    async def on_request_error(request, e: RequestError): return e.response()
-    async def on_http_error(request, e: HTTPException):
-        return JSONResponse({"error": {"message": e.detail, "type": "invalid_request_error", "param": None, "code": None}},
-                            e.status_code, headers=getattr(e, "headers", None))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -516,7 +573,7 @@ def make_app(lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, model_name="m
     middleware = [Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                              allow_headers=["*"])] if cors_origins else []
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                    exception_handlers={RequestError: on_request_error, HTTPException: on_http_error})
+                    exception_handlers={RequestError: _on_request_error, HTTPException: _on_http_error})
     app.state.batcher, app.state.lm = batcher, lm
     return app
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools, json
 from pathlib import Path
 from .config import quiet_transformers
+from .storage import read_json
 
 EOT = 50256  # <|endoftext|>
 
@@ -64,9 +65,5 @@ def load_tokenizer(path_or_repo_id, **kwargs):
     AutoTokenizer = quiet_transformers().AutoTokenizer
     d = Path(path_or_repo_id)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json"):
-        if (d / name).is_file():   # a damaged file named here, not as a bare JSONDecodeError from deep in transformers
-            try: json.loads((d / name).read_bytes())
-            except (ValueError, RecursionError) as e:
-                raise ValueError(f"{d / name} is not valid JSON ({type(e).__name__}: {str(e)[:200]}): "
-                                 "is the file complete?") from None
+        if (d / name).is_file(): read_json(d / name)   # a damaged file named here, not as a bare JSONDecodeError from transformers
     return AutoTokenizer.from_pretrained(str(path_or_repo_id), **kwargs)

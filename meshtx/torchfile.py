@@ -10,6 +10,7 @@ import io, os, pickle, struct, sys, zipfile
 import numpy as np
 import ml_dtypes
 from fastcore.basics import patch
+from .storage import pread_into, drop_cached
 
 # %% auto #0
 __all__ = ['TorchFile']
@@ -55,21 +56,6 @@ def _data_range(fn, zf: zipfile.ZipFile, member: str) -> tuple[int, int]:
     if start + info.file_size > size:
         raise ValueError(f"{fn} is truncated: {_q(member)} ends at byte {start + info.file_size}, the file at {size}")
     return start, info.file_size
-
-def _pread_into(fn, pos: int, buf: np.ndarray):
-    "Fill the (contiguous) array `buf` with the bytes of file `fn` from offset `pos`."
-    mv, done = memoryview(buf.reshape(-1).view(np.uint8)), 0
-    with open(fn, "rb", buffering=0) as f:
-        f.seek(pos)
-        while done < len(mv):
-            if not (k := f.readinto(mv[done:])):
-                raise ValueError(f"{fn} ends at byte {pos + done}, inside a tensor: the file is truncated")
-            done += k
-
-def _drop_cached(fn, pos: int, n: int):
-    "Tell the kernel that bytes `pos:pos + n` of file `fn` will not be read again: it may drop them from the page cache."
-    if not hasattr(os, "posix_fadvise"): return
-    with open(fn, "rb", buffering=0) as f: os.posix_fadvise(f.fileno(), pos, n, os.POSIX_FADV_DONTNEED)
 
 # %% ../nbs/02b_torchfile.ipynb #e8fe8a3c
 _DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16,
@@ -286,8 +272,8 @@ def read(self: TorchFile, name: str, rows: slice = slice(None)) -> np.ndarray:
     pos = self._where[t.storage.key][0] + offset * t.dtype.itemsize
     direct = _in_order(shape, stride)
     buf = out if direct else np.empty(1 + sum((n - 1) * s for n, s in zip(shape, stride)), t.dtype)
-    _pread_into(self.fn, pos, buf)
-    if self.drop_cache: _drop_cached(self.fn, pos, buf.nbytes)
+    pread_into(self.fn, pos, buf)
+    if self.drop_cache: drop_cached(self.fn, pos, buf.nbytes)
     if self._swap: _swap_bytes(buf)
     if not direct: out[...] = np.lib.stride_tricks.as_strided(buf, shape, [s * t.dtype.itemsize for s in stride])
     if "neg" in t.flags: np.negative(out, out=out)

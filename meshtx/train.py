@@ -1,4 +1,4 @@
-"""The original recipe (AdamW, global-norm clipping, warmup then cosine), gradient accumulation, a jitted train step on any mesh, and a step-through `Trainer`.
+"""The original recipe (AdamW, global-norm clipping, warmup then cosine), gradient accumulation, a jitted train
 
 Docs: https://meshtx.github.io/meshtx/train.html.md"""
 
@@ -25,8 +25,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 # %% auto #0
-__all__ = ['DEMO_CONFIG', 'lr_schedule', 'decay_mask', 'make_optimizer', 'TrainState', 'next_token_loss', 'make_train_step',
-           'Trainer', 'demo_corpus', 'random_windows', 'demo']
+__all__ = ['lr_schedule', 'decay_mask', 'make_optimizer', 'TrainState', 'next_token_loss', 'make_train_step', 'Trainer',
+           'demo_corpus', 'random_windows', 'demo']
 
 # %% ../nbs/08_train.ipynb #5127e80a
 def lr_schedule(lr: float, end_lr: float, warmup_steps: int, anneal_steps: int):
@@ -43,6 +43,7 @@ def decay_mask(params: dict) -> dict:
     "True for weight matrices (decayed), False for biases, LayerNorm scales and offsets (never decayed)."
     return {m: {p: (x.ndim - ("/blocks/" in m)) >= 2 for p, x in ps.items()} for m, ps in params.items()}
 
+# %% ../nbs/08_train.ipynb #2d311bae
 def make_optimizer(lr=1e-4, end_lr=None, warmup_steps=0, anneal_steps=1, weight_decay=0.1, clip=1.0,
                    b1=0.9, b2=0.999, eps=1e-8, mu_dtype=None, optimizer="adamw") -> optax.GradientTransformation:
     "The original recipe: clip by global norm, then AdamW (or Adafactor) with decoupled decay on matrices only, on `lr_schedule`."
@@ -64,6 +65,7 @@ class TrainState:
     opt_state: object
     step: jax.Array
 
+# %% ../nbs/08_train.ipynb #4982d85d
 def next_token_loss(model, params, frozen, tokens):
     """The mean next-token loss of `tokens` `[B, T+1]` under the trainable `params` and the `frozen` ones: a tree, or
     on one CPU `(tree, list of per-layer trees)` from `layer_views`, each layer then joined with its slice of `params`."""
@@ -72,6 +74,7 @@ def next_token_loss(model, params, frozen, tokens):
     return model.apply(join(outer, p_outer), tokens[:, :-1], targets=tokens[:, 1:],
                        layers=[join(f, p) for f, p in zip(layers, p_layers)])
 
+# %% ../nbs/08_train.ipynb #15098b1d
 def make_train_step(config: ModelConfig, optimizer, mesh=None, lora: LoRAConfig | None = None):
     """`step(state, batch [accum, B, T+1], frozen={}) -> (state, metrics)`: jitted with the state donated; with a
     `mesh`, left for the caller to jit with its shardings (as the `Trainer` does)."""
@@ -99,26 +102,30 @@ def make_train_step(config: ModelConfig, optimizer, mesh=None, lora: LoRAConfig 
     if mesh is None: return jax.jit(step, donate_argnums=0)
     return step   # the Trainer jits it with shardings
 
-# %% ../nbs/08_train.ipynb #86b24062
+# %% ../nbs/08_train.ipynb #f7710c13
+def _check_settings(lm: LM, datas, lr, end_lr, lora: LoRAConfig | None, keep, keep_every):
+    "Refuse, before any work, what would fail later: a bad rate, other LoRA adapters than the model's, data that does not fit."
+    finite = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+    if not (finite(lr) and lr > 0): raise ValueError(f"lr={lr!r} must be a finite number > 0")   # NaN writes NaN weights
+    if end_lr is not None and not (finite(end_lr) and end_lr >= 0): raise ValueError(f"end_lr={end_lr!r} must be a finite number ≥ 0")
+    if lora is not None and lm.lora is not None and lm.lora != lora:   # e.g. a notebook cell run again with another rank
+        raise ValueError(f"the model already has LoRA adapters ({lm.lora}), not {lora}: merge them "
+                         "(`lm.merge_lora()`) or start from the base model; `lora=None` trains the ones it has")
+    check_keep(keep, keep_every)   # bad values fail now, not at the first save after all the training
+    for data in datas:   # prepared data that cannot train this model: say so now, not as NaN steps
+        if isinstance(getattr(data, "data", None), TokenData):
+            data.data.check_fits(lm.config.n_vocab, lm.config.n_ctx, lm.tokenizer)
+
+# %% ../nbs/08_train.ipynb #b865897d
 class Trainer:
     "Step-through training of an `LM` (fully, or its LoRA adapters) on an iterator of `[accum, batch, seq + 1]` batches."
     def __init__(self, lm: LM, train_data, val_data=None, lr=1e-4, end_lr=None, warmup_steps=0, anneal_steps=None,
                  total_steps=None, weight_decay=0.1, clip=1.0, optimizer="adamw", param_dtype="float32", mu_dtype=None,
                  lora: LoRAConfig | int | None = None, checkpoint_dir=None, keep=3, keep_every=None,
                  nan_patience=5, progress=True, seed=0, remat: bool | None = None):
-        finite = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-        if not (finite(lr) and lr > 0): raise ValueError(f"lr={lr!r} must be a finite number > 0")   # NaN writes NaN weights
-        if end_lr is not None and not (finite(end_lr) and end_lr >= 0): raise ValueError(f"end_lr={end_lr!r} must be a finite number ≥ 0")
-        if lora is not None:
-            want = LoRAConfig(rank=lora) if isinstance(lora, int) else lora
-            if lm.lora is None: lm.add_lora(want, seed=seed)
-            elif lm.lora != want:   # e.g. a notebook cell run again with another rank: say so, don't train the old ones
-                raise ValueError(f"the model already has LoRA adapters ({lm.lora}), not {want}: merge them "
-                                 "(`lm.merge_lora()`) or start from the base model; `lora=None` trains the ones it has")
-        check_keep(keep, keep_every)   # bad values fail now, not at the first save after all the training
-        for data in (train_data, val_data):   # prepared data that cannot train this model: say so now, not as NaN steps
-            if isinstance(getattr(data, "data", None), TokenData):
-                data.data.check_fits(lm.config.n_vocab, lm.config.n_ctx, lm.tokenizer)
+        lora = LoRAConfig(rank=lora) if isinstance(lora, int) else lora
+        _check_settings(lm, (train_data, val_data), lr, end_lr, lora, keep, keep_every)
+        if lora is not None and lm.lora is None: lm.add_lora(lora, seed=seed)
         self.lm, self.val_data, self.loader = lm, val_data, train_data if hasattr(train_data, "state") else None
         self.train_data = iter(train_data)
         anneal = anneal_steps or max(1, (total_steps or 1000) - warmup_steps)
@@ -131,55 +138,80 @@ class Trainer:
         self.nan_patience, self.progress, self.history, self._bad = nan_patience, progress, [], 0
         self._abandoned = {}   # {checkpoint directory: its later steps}, after a rewind to an older step there
         self.checkpoint_dir, self.keep, self.keep_every = checkpoint_dir, keep, keep_every
-        if lm.lora is None:   # full fine-tune: everything trains, in the master dtype
-            if param_dtype is not None and lm.config.param_dtype != str(jnp.dtype(param_dtype)):
-                lm.params = jax.tree.map(lambda x: x.astype(param_dtype), lm.params)
-                lm.config = lm.config.replace(param_dtype=str(jnp.dtype(param_dtype)))
-            self.frozen, trainable = {}, lm.params
-        else:
-            self.frozen, trainable = split_adapters(lm.params)
-        mesh = lm.mesh
-        train_config = lm.config if remat is None else lm.config.replace(remat=bool(remat))   # the step only
-        step = make_train_step(train_config, self.optimizer, mesh, lm.lora)
-        if mesh is None:
-            opt_state = self.optimizer.init(trainable)
-            self._step = step
-        else:
-            p_sh = jax.tree.map(lambda x: x.sharding, trainable)
-            o_sh = opt_state_shardings(self.optimizer, trainable, p_sh, mesh)
-            opt_state = jax.jit(self.optimizer.init, out_shardings=o_sh)(trainable)
-            s_sh = TrainState(p_sh, o_sh, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-            self._step = jax.jit(step, out_shardings=(s_sh, None), donate_argnums=0)
-        step0 = jnp.zeros((), jnp.int32)
-        if mesh is not None: step0 = jax.device_put(step0, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-        self.state = TrainState(trainable, opt_state, step0)
-        model = gptj(lm.config, activation_hint(mesh) if mesh is not None else no_hint, lm.lora)
-        def eval_loss(params, frozen, batch):   # [accum, B, T+1] -> mean loss over all rows
-            return next_token_loss(model, params, frozen, batch.reshape(-1, batch.shape[-1]))
-        self._eval = jax.jit(eval_loss)
+        self.frozen, trainable = self._split(param_dtype)
+        self._compile(trainable, remat)
 
     @property
     def params(self): return self.state.params
 
-    def _frozen(self):
-        "The frozen weights as the step takes them: on one CPU device, the base's blocks one layer at a time (`layer_views`)."
-        return (layer_views(self.frozen) if self.frozen and self.lm.mesh is None else None) or self.frozen
+# %% ../nbs/08_train.ipynb #5bc9b3b3
+@patch
+def _split(self: Trainer, param_dtype) -> tuple[dict, dict]:
+    "`(frozen, trainable)` weights: with LoRA the base and the adapters; else none, and all of them in `param_dtype`."
+    lm = self.lm
+    if lm.lora is not None: return split_adapters(lm.params)
+    if param_dtype is not None and lm.config.param_dtype != str(jnp.dtype(param_dtype)):   # float32 masters
+        lm.params = jax.tree.map(lambda x: x.astype(param_dtype), lm.params)
+        lm.config = lm.config.replace(param_dtype=str(jnp.dtype(param_dtype)))
+    return {}, lm.params
 
-    def _sync_lm(self):
-        self.lm.params = join(self.frozen, self.state.params) if self.frozen else self.state.params
+@patch
+def _frozen(self: Trainer):
+    "The frozen weights as the step takes them: on one CPU device, the base's blocks one layer at a time (`layer_views`)."
+    return (layer_views(self.frozen) if self.frozen and self.lm.mesh is None else None) or self.frozen
 
-    def _put(self, batch):
-        "This process's rows `[accum, b, T+1]` as one global batch on the mesh (every process passes its own rows)."
-        batch = np.asarray(batch)
-        if batch.ndim == 2: batch = batch[None]
-        mesh = self.lm.mesh
-        if mesh is None: return jnp.asarray(batch)
-        n = jax.process_count()
-        spec = P(None, *batch_sharding(mesh, (batch.shape[1] * n, *batch.shape[2:])).spec)
-        if n > 1 and spec[1] is None:   # replicated: every device needs every process's rows, in process order
-            batch = np.concatenate(list(multihost_utils.process_allgather(batch)), axis=1)
-        if n > 1: return global_batch(batch, mesh, spec)
-        return jax.device_put(batch, jax.sharding.NamedSharding(mesh, spec))
+@patch
+def _sync_lm(self: Trainer):
+    "Point the `LM` at the weights of the current state (the step donated the ones it had)."
+    self.lm.params = join(self.frozen, self.state.params) if self.frozen else self.state.params
+
+# %% ../nbs/08_train.ipynb #7710a6e6
+@patch
+def _compile(self: Trainer, trainable: dict, remat):
+    "The jitted step and evaluation for the model's mesh, and the first `TrainState` (optimizer state laid out as the weights)."
+    lm, mesh = self.lm, self.lm.mesh
+    train_config = lm.config if remat is None else lm.config.replace(remat=bool(remat))   # the step only
+    step = make_train_step(train_config, self.optimizer, mesh, lm.lora)
+    step0 = jnp.zeros((), jnp.int32)
+    if mesh is None:
+        opt_state, self._step = self.optimizer.init(trainable), step
+    else:
+        replicated = jax.sharding.NamedSharding(mesh, P())
+        p_sh = jax.tree.map(lambda x: x.sharding, trainable)
+        o_sh = opt_state_shardings(self.optimizer, trainable, p_sh, mesh)
+        opt_state = jax.jit(self.optimizer.init, out_shardings=o_sh)(trainable)
+        self._step = jax.jit(step, out_shardings=(TrainState(p_sh, o_sh, replicated), None), donate_argnums=0)
+        step0 = jax.device_put(step0, replicated)
+    self.state = TrainState(trainable, opt_state, step0)
+    model = gptj(lm.config, activation_hint(mesh) if mesh is not None else no_hint, lm.lora)
+    def eval_loss(params, frozen, batch):   # [accum, B, T+1] -> mean loss over all rows
+        return next_token_loss(model, params, frozen, batch.reshape(-1, batch.shape[-1]))
+    self._eval = jax.jit(eval_loss)
+
+# %% ../nbs/08_train.ipynb #8253bccd
+@patch
+def _put(self: Trainer, batch):
+    "This process's rows `[accum, b, T+1]` as one global batch on the mesh (every process passes its own rows)."
+    batch = np.asarray(batch)
+    if batch.ndim == 2: batch = batch[None]
+    mesh = self.lm.mesh
+    if mesh is None: return jnp.asarray(batch)
+    n = jax.process_count()
+    spec = P(None, *batch_sharding(mesh, (batch.shape[1] * n, *batch.shape[2:])).spec)
+    if n > 1 and spec[1] is None:   # replicated: every device needs every process's rows, in process order
+        batch = np.concatenate(list(multihost_utils.process_allgather(batch)), axis=1)
+    if n > 1: return global_batch(batch, mesh, spec)
+    return jax.device_put(batch, jax.sharding.NamedSharding(mesh, spec))
+
+# %% ../nbs/08_train.ipynb #9f11c19b
+@patch
+def __repr__(self: Trainer) -> str:
+    h, leaves, n = self.hparams, jax.tree.leaves(self.state.params), len(self.history)
+    what = "the whole model" if self.lm.lora is None else f"LoRA adapters of rank {self.lm.lora.rank}"
+    dtypes = "/".join(sorted({str(x.dtype) for x in leaves}))
+    warmup = f" after {h['warmup_steps']} warmup steps" if h["warmup_steps"] else ""
+    return (f"Trainer({what}: {sum(x.size for x in leaves):,} {dtypes} parameters; {h['optimizer']}, lr {h['lr']:g}{warmup}, "
+            f"cosine to {h['end_lr']:g} over {h['anneal_steps']} steps; {n} step{'s' * (n != 1)} taken)")
 
 # %% ../nbs/08_train.ipynb #8d9f8c5e
 @contextlib.contextmanager
@@ -194,6 +226,7 @@ def _interrupts_deferred():
         signal.signal(signal.SIGINT, old)
         if caught: old(*caught[0])   # Python's default handler raises KeyboardInterrupt here, after the block
 
+# %% ../nbs/08_train.ipynb #26e6a16f
 @patch
 def _check_model(self: Trainer):
     "Raise if the model's adapters were merged since: the merge took the base weights this trainer holds."
@@ -201,6 +234,7 @@ def _check_model(self: Trainer):
         raise ValueError("this trainer's model had its LoRA adapters merged (`lm.merge_lora()`), which took the base "
                          "weights the trainer held: make a new Trainer for the merged model to train on")
 
+# %% ../nbs/08_train.ipynb #62b4bdaa
 @patch
 def step(self: Trainer) -> dict:
     "Train on the next batch; returns (and records) its metrics."
@@ -229,6 +263,7 @@ def step(self: Trainer) -> dict:
                                      "(lower the learning rate, or check the data)")
     return rec
 
+# %% ../nbs/08_train.ipynb #d15da093
 @patch
 def run(self: Trainer, steps: int, eval_every: int | None = None, save_every: int | None = None) -> list:
     "Train `steps` steps with a progress bar; evaluate every `eval_every` steps, save every `save_every` steps."
@@ -248,6 +283,7 @@ def run(self: Trainer, steps: int, eval_every: int | None = None, save_every: in
         bar.set_postfix(loss=f"{rec['loss']:.3f}")
     return self.history[len(self.history) - steps:]
 
+# %% ../nbs/08_train.ipynb #8f97455f
 @patch
 def evaluate(self: Trainer, batches=None) -> float:
     """Mean loss over the validation batches (each `[B, T+1]` or `[accum, B, T+1]`). Before the first step, the
@@ -264,9 +300,9 @@ def evaluate(self: Trainer, batches=None) -> float:
 @patch
 def sample(self: Trainer, prompt, **kwargs):
     "Generate from the model as it is now (see `LM.generate`)."
-    import meshtx.sampling  # noqa: F401
     return self.lm.generate(prompt, **kwargs)
 
+# %% ../nbs/08_train.ipynb #1cf7a88f
 @patch
 def plot(self: Trainer, path=None, figure=None, unit: str = "token"):
     """Loss (and validation loss, from step 0 if `evaluate` ran before training) and learning rate against step, on
@@ -286,7 +322,7 @@ def plot(self: Trainer, path=None, figure=None, unit: str = "token"):
     ax2.plot(steps, [h["lr"] for h in history]); ax2.set_xlabel("step"); ax2.set_ylabel("learning rate")
     fig.tight_layout()
     if path is not None:
-        from meshtx.data import filesystem
+        from meshtx.storage import filesystem
         fs, p = filesystem(path)
         with fs.open(p, "wb") as f: fig.savefig(f, dpi=100, format=Path(str(path)).suffix.lstrip(".") or "png")
     return fig
@@ -294,6 +330,7 @@ def plot(self: Trainer, path=None, figure=None, unit: str = "token"):
 # %% ../nbs/08_train.ipynb #5739d9b2
 @patch
 def _checkpointer(self: Trainer, directory=None):
+    "The `Checkpointer` of `directory` (default: the trainer's `checkpoint_dir`), with the trainer's `keep` rules."
     from meshtx.checkpoint import Checkpointer
     directory = directory or self.checkpoint_dir
     if directory is None: raise ValueError("no checkpoint directory: pass checkpoint_dir to the Trainer or a directory here")
@@ -307,6 +344,7 @@ def _later_steps(ck, step: int, inclusive=False, abandoned=()) -> str | None:
             f"run or from before a rewind, and a resume would pick step {later[-1]}. Save to another directory, or "
             f"delete them first (Checkpointer({ck.directory!r}).delete(step))")
 
+# %% ../nbs/08_train.ipynb #5e27a6df
 @patch
 def save(self: Trainer, directory=None) -> str:
     "Checkpoint the full train state (and the data position) at the current step; returns its path."
@@ -322,21 +360,28 @@ def save(self: Trainer, directory=None) -> str:
                 "hparams": self.hparams, "history": self.history}
         return ck.save(len(self.history), tree, meta)
 
+# %% ../nbs/08_train.ipynb #c9994706
+def _check_restorable(ck, step: int, lora: bool) -> dict:
+    "The metadata of checkpoint `step` in `ck`, if a trainer (of LoRA adapters if `lora`, else of the whole model) can go on from it."
+    meta = ck.metadata(step)
+    if (meta.get("lora") is not None) != lora:
+        raise ValueError(f"checkpoint step {step} was saved {'with' if meta.get('lora') else 'without'} LoRA adapters, "
+                         f"but this trainer trains {'adapters' if lora else 'the full model'}")
+    if "params/gptj/blocks/attn/qkv" in ck.tensors(step):   # (LoRA adapters kept their layout: those restore)
+        raise ValueError(f"checkpoint step {step} in {ck.directory} was written by an earlier meshtx, whose weight matrices "
+                         "were [in, out]; a run cannot continue across that change. `LM.load` reads its weights (a full "
+                         "fine-tune's) into today's layout: start a new run from them")
+    return meta
+
+# %% ../nbs/08_train.ipynb #c82e98f5
 @patch
 def restore(self: Trainer, directory=None, step: int | None = None, weights_only: bool = False) -> int:
     "Load a checkpoint (the latest if `step` is None) into this trainer; returns the step it continues from."
     ck = self._checkpointer(directory)
     step = ck.latest() if step is None else step
     if step is None: raise FileNotFoundError(f"no complete checkpoint in {directory or self.checkpoint_dir}")
-    meta = ck.metadata(step)
-    if (meta.get("lora") is None) != (self.lm.lora is None):
-        raise ValueError(f"checkpoint step {step} was saved {'with' if meta.get('lora') else 'without'} LoRA adapters, "
-                         f"but this trainer trains {'adapters' if self.lm.lora else 'the full model'}")
+    meta = _check_restorable(ck, step, self.lm.lora is not None)
     abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
-    if "params/gptj/blocks/attn/qkv" in ck.tensors(step):   # (LoRA adapters kept their layout: those restore)
-        raise ValueError(f"checkpoint step {step} in {ck.directory} was written by an earlier meshtx, whose weight matrices "
-                         "were [in, out]; a run cannot continue across that change. `LM.load` reads its weights (a full "
-                         "fine-tune's) into today's layout: start a new run from them")
     if weights_only:   # the original's --fresh-opt: these weights, a new optimizer state, step 0
         tree, _ = ck.restore(step, {"params": abstract(self.state.params)})
         params = tree["params"]
@@ -364,14 +409,13 @@ def restore(self: Trainer, directory=None, step: int | None = None, weights_only
     return len(self.history)
 
 # %% ../nbs/08_train.ipynb #938e0b36
-DEMO_CONFIG = dict(n_layer=3, d_model=128, n_head=4, rotary_dim=16, d_ff=512, n_vocab=257, n_ctx=256)
-
 def demo_corpus() -> np.ndarray:
     "CPython's pydoc topics as byte tokens, one topic after another, separated by `<|endoftext|>` (256)."
     import pydoc_data.topics as topics
     parts = [np.frombuffer(topics.topics[k].encode("utf-8"), np.uint8).astype(np.int32) for k in sorted(topics.topics)]
     return np.concatenate([np.append(p, 256) for p in parts])
 
+# %% ../nbs/08_train.ipynb #d780469a
 def random_windows(tokens: np.ndarray, seq: int, batch: int, seed: int = 0):
     "An endless iterator of `[1, batch, seq + 1]` windows drawn uniformly from `tokens` (deterministic per seed)."
     rng = np.random.default_rng(seed)
@@ -379,17 +423,30 @@ def random_windows(tokens: np.ndarray, seq: int, batch: int, seed: int = 0):
         idx = rng.integers(0, len(tokens) - seq - 1, batch)
         yield np.stack([tokens[i:i + seq + 1] for i in idx])[None]
 
+# %% ../nbs/08_train.ipynb #4eafb038
+def _train_for(t: Trainer, max_steps: int, seconds: float, progress: bool) -> float:
+    "Step `t` to `max_steps` steps or for `seconds`, whichever ends first, with the held-out loss every 100; returns the seconds."
+    from tqdm.auto import tqdm
+    bar = tqdm(total=max_steps, desc="training", disable=not progress)
+    t0 = time.perf_counter()
+    while len(t.history) < max_steps and time.perf_counter() - t0 < seconds:
+        rec = t.step()
+        if len(t.history) % 100 == 0: rec["val_loss"] = t.evaluate()
+        bar.update(1); bar.set_postfix(loss=f"{rec['loss']:.3f}")
+    bar.close()
+    return time.perf_counter() - t0
+
+# %% ../nbs/08_train.ipynb #a992be1e
 def demo(out_dir="meshtx-demo", max_steps: int = 900, seconds: float = 600, batch: int = 32, seq: int = 64, lr: float = 6e-3,
          seed: int = 0, progress: bool = True, log=print) -> dict:
     "Train a small byte-level GPT-J from scratch on `pydoc_data.topics` (`max_steps`, at most `seconds`); save a checkpoint and a loss plot."
-    from tqdm.auto import tqdm
+    import matplotlib.pyplot as plt
     from meshtx.tokenizer import ByteTokenizer
-    import meshtx.sampling  # noqa: F401  (LM.generate)
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
     data = demo_corpus()
     n_val = len(data) // 20
     train, val = data[:-n_val], data[-n_val:]
-    cfg = ModelConfig(**DEMO_CONFIG)
+    cfg = ModelConfig.preset("demo-bytes")
     val_batches = [b[0] for b, _ in zip(random_windows(val, seq, 64, seed=seed + 1), range(4))]
     lm = LM.init(cfg, seed=seed, tokenizer=ByteTokenizer())
     prompts = ["The for statement", "A list is"]
@@ -402,19 +459,13 @@ def demo(out_dir="meshtx-demo", max_steps: int = 900, seconds: float = 600, batc
     before = t.evaluate()
     log(f"{cfg.n_params:,} parameters; held-out loss before training: {before:.3f} nats/byte")
     show("samples before training")
-    bar = tqdm(total=max_steps, desc="training", disable=not progress)
-    t0 = time.perf_counter()
-    while len(t.history) < max_steps and time.perf_counter() - t0 < seconds:
-        rec = t.step()
-        if len(t.history) % 100 == 0: rec["val_loss"] = t.evaluate()
-        bar.update(1); bar.set_postfix(loss=f"{rec['loss']:.3f}")
-    bar.close()
-    elapsed, after = time.perf_counter() - t0, t.evaluate()
+    elapsed = _train_for(t, max_steps, seconds, progress)
+    after = t.evaluate()
     t.history[-1]["val_loss"] = after
     log(f"{len(t.history)} steps in {elapsed:.0f} s; held-out loss after training: {after:.3f} nats/byte")
     show("samples after training")
     lm.save(out / "checkpoint")
-    t.plot(out / "loss.png", unit="byte")   # a byte-level model: its tokens are bytes, as the log says
+    plt.close(t.plot(out / "loss.png", unit="byte"))   # bytes are its tokens, as the log says; no figure left open
     log(f"checkpoint: {out / 'checkpoint'}   loss curve: {out / 'loss.png'}")
     return {"val_loss_before": before, "val_loss_after": after, "steps": len(t.history), "seconds": elapsed,
             "checkpoint": str(out / "checkpoint"), "plot": str(out / "loss.png")}

@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/weights.html.md"""
 
 # %% ../nbs/02_weights.ipynb #fc0abd5b
 from __future__ import annotations
-import errno, glob, itertools, json, math, os, re, shutil, threading, uuid, warnings
+import itertools, json, math, os, re, threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -17,13 +17,14 @@ from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 from .config import ModelConfig, DTYPES
 from .model import param_shapes
-from .torchfile import TorchFile, _pread_into, _drop_cached
+from .torchfile import TorchFile
+from .storage import pread_into, drop_cached, read_json, write_file, replace_dir, shorten
 
 # %% auto #0
 __all__ = ['IGNORED', 'SAVE_FILES', 'MESHTX_CONFIG', 'MESHTX_PARAMS', 'LAYOUT', 'OLD_LAYOUT', 'hf_tensor_map', 'hf_shapes',
-           'checkpoint_files', 'open_checkpoint', 'check_checkpoint', 'assemble', 'load_hf_params', 'recover_dir',
-           'replace_dir', 'hf_tensors', 'save_hf_params', 'is_meshtx_checkpoint', 'from_old_layout', 'save_params',
-           'load_params']
+           'checkpoint_files', 'open_safetensors', 'open_checkpoint', 'check_checkpoint', 'assemble', 'load_hf_params',
+           'hf_tensors', 'write_hf', 'save_hf_params', 'is_meshtx_checkpoint', 'write_params', 'from_old_layout',
+           'save_params', 'load_params']
 
 # %% ../nbs/02_weights.ipynb #875c3bd5
 _BLOCK = [  # (HF name inside transformer.h.{i}., meshtx module, param)
@@ -59,7 +60,7 @@ def checkpoint_files(path) -> list[Path]:
     for single, index in (("model.safetensors", "model.safetensors.index.json"),
                           ("pytorch_model.bin", "pytorch_model.bin.index.json")):
         if (path / index).exists():
-            weight_map = _load_json(path / index).get("weight_map")
+            weight_map = read_json(path / index).get("weight_map")
             if not isinstance(weight_map, dict): raise ValueError(f"{path / index} has no \"weight_map\" object")
             files = [path / f for f in dict.fromkeys(weight_map.values())]
             for f in files:
@@ -68,20 +69,13 @@ def checkpoint_files(path) -> list[Path]:
         if (path / single).exists(): return [path / single]
     raise ValueError(f"no model.safetensors, pytorch_model.bin or index json in {path}")
 
-def _load_json(fn) -> dict:
-    "The JSON object in file `fn`; a damaged or truncated file is a `ValueError` that names it."
-    try: d = json.loads(Path(fn).read_bytes())
-    except ValueError as e: raise ValueError(f"{fn} is not valid JSON ({e}): is the file complete?") from None
-    if not isinstance(d, dict): raise ValueError(f"{fn} holds a JSON {type(d).__name__}, not an object")
-    return d
-
-def _safe_open(fn):
-    "`safe_open(fn)`, with a damaged or truncated file reported as a `ValueError` that names it."
+def open_safetensors(fn):
+    "`safe_open(fn)` (numpy tensors), with a damaged or truncated file reported as a `ValueError` that names it."
     try: return safe_open(fn, framework="numpy")
     except Exception as e:   # safetensors raises its own SafetensorError (and OSError for unreadable files)
-        why = str(e) if len(str(e)) <= 300 else str(e)[:300] + f"... ({len(str(e)):,} characters)"   # it may quote the header
-        raise ValueError(f"cannot read {fn}: {why} (is the file complete?)") from None
+        raise ValueError(f"cannot read {fn}: {shorten(e)} (is the file complete?)") from None   # (it may quote the header)
 
+# %% ../nbs/02_weights.ipynb #70017556
 _ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": ml_dtypes.bfloat16, "I64": "<i8", "I32": "<i4",
               "I16": "<i2", "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
               "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
@@ -92,7 +86,7 @@ class _Safetensors:
     drop_cache = False   # True: drop what `read` read from the page cache (see `assemble`)
     def __init__(self, fn):
         self.fn = fn
-        with _safe_open(fn) as f:
+        with open_safetensors(fn) as f:
             self.shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         with open(fn, "rb") as f:   # the header safe_open has just validated: 8-byte length, then JSON
             n = int.from_bytes(f.read(8), "little"); header = json.loads(f.read(n))
@@ -105,10 +99,11 @@ class _Safetensors:
         out = np.empty((max(stop - start, 0), *shape[1:]) if shape else (), dt)
         if out.size:
             pos += start * math.prod(shape[1:]) * dt.itemsize
-            _pread_into(self.fn, pos, out)
-            if self.drop_cache: _drop_cached(self.fn, pos, out.nbytes)
+            pread_into(self.fn, pos, out)
+            if self.drop_cache: drop_cached(self.fn, pos, out.nbytes)
         return out
 
+# %% ../nbs/02_weights.ipynb #58f786fa
 class _LegacyTorch:
     "Tensors of a `pytorch_model.bin` in torch's legacy (pre-zip) format, read whole by `torch.load(weights_only=True)`."
     def __init__(self, fn, refusal: str):
@@ -175,6 +170,7 @@ def _put(buf, piece, offsets, *, lead: int):
     "Write `piece` into device buffer `buf` at `offsets`; its first `lead` axes are indexed (a layer, a q/k/v slot)."
     return jax.lax.dynamic_update_slice(buf, piece.astype(buf.dtype).reshape((1,) * lead + piece.shape), offsets)
 
+# %% ../nbs/02_weights.ipynb #03f3ccc7
 class _Piece:
     "One device's piece of a parameter (`bounds`: `(start, stop)` per axis), filled in host memory or on the device."
     def __init__(self, device, bounds: tuple, dtype):
@@ -207,6 +203,7 @@ def _place(pieces: list, chunk: np.ndarray, row0: int, index: tuple):
             src.append(slice(lo - first, hi - first)); at.append(lo - s)
         else: piece.write(tuple(at), chunk[tuple(src)], lead)
 
+# %% ../nbs/02_weights.ipynb #b422cd13
 def _threads() -> int:
     "Threads for loading: the cores this process may use, at most 4 (each holds one chunk in flight)."
     return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
@@ -218,6 +215,7 @@ def _memory_tight(host_bytes: int, files) -> bool:
     except (OSError, StopIteration, ValueError): return False
     return host_bytes + sum(os.path.getsize(f) for f in files) > 0.9 * avail
 
+# %% ../nbs/02_weights.ipynb #d860af97
 def _check_room(shapes: dict, where: dict):
     """Refuse parameters that cannot fit where they would be assembled (host memory for CPU devices, each accelerator's
     memory), before anything is allocated: a clear error, not the kernel's OOM killer halfway through a load. Returns
@@ -241,6 +239,7 @@ def _check_room(shapes: dict, where: dict):
                              "model, a smaller dtype, or more devices to shard it over (meshtx.plan says what fits)")
     return need
 
+# %% ../nbs/02_weights.ipynb #ccfb04b3
 def _chunks(tensors, chunk_bytes: int):
     "Each `(reader, name, module, param, index)` of `tensors` as jobs `(..., first row, end row)` of about `chunk_bytes`."
     for reader, name, mod, p, index in tensors:
@@ -280,6 +279,7 @@ def assemble(shapes: dict, shardings, tensors, progress: bool = True, chunk_byte
     return {mod: {p: jax.make_array_from_single_device_arrays(sd.shape, where[mod][p], [x.array() for x in pieces[mod][p]])
                   for p, sd in ps.items()} for mod, ps in shapes.items()}
 
+# %% ../nbs/02_weights.ipynb #a80bacf2
 def load_hf_params(path, config: ModelConfig, shardings=None, progress: bool = True, chunk_bytes: int = 64 << 20) -> dict:
     "Stream the Hugging Face GPT-J checkpoint in directory `path` into parameters for `config` (laid out by `shardings`)."
     readers = open_checkpoint(path)
@@ -287,103 +287,6 @@ def load_hf_params(path, config: ModelConfig, shardings=None, progress: bool = T
     files = list(dict.fromkeys(r.fn for r in readers.values()))
     order = sorted(hf_tensor_map(config).items(), key=lambda kv: files.index(readers[kv[0]].fn))   # file by file
     return assemble(param_shapes(config), shardings, [(readers[n], n, *where) for n, where in order], progress, chunk_bytes)
-
-# %% ../nbs/02_weights.ipynb #5928a764
-def _umask() -> int:
-    "This process's umask (read without changing it where Linux says it; else set and restored)."
-    try: return int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("Umask:")), 8)
-    except (OSError, StopIteration, ValueError):
-        old = os.umask(0o022); os.umask(old); return old
-
-def _writing(fn, write, *args, **kwargs):
-    """Call `write(*args, **kwargs)`, which writes file `fn`: its failure (a full disk) is an `OSError` that names `fn`.
-    The file gets the permissions `open` would give it (safetensors writes `-rw-------`, which another user or a
-    serving container could not read)."""
-    try:
-        out = write(*args, **kwargs)
-        if os.path.isfile(fn): os.chmod(fn, 0o666 & ~_umask())
-        return out
-    except OSError as e:
-        if e.filename is None and e.errno is not None: raise OSError(e.errno, e.strerror, str(fn)) from None
-        raise
-    except Exception as e:   # safetensors' SafetensorError, tokenizers' bare Exception: the OS's words, and no file
-        if not (m := re.search(r"os error (\d+)", str(e))): raise
-        raise OSError(int(m[1]), os.strerror(int(m[1])), str(fn)) from None
-
-def _aside(path: Path, kind: str) -> list[Path]:
-    "The hidden siblings `.NAME.{kind}-XXXXXXXX` of directory `path` that `replace_dir` makes (`new`, `old`, `del`)."
-    return sorted(path.parent.glob(f".{glob.escape(path.name)}.{kind}-" + "[0-9a-f]" * 8))
-
-def recover_dir(path) -> Path:
-    """`path`, put back if a save was stopped between moving the earlier `path` aside (to `.NAME.old-…`, whole: it is
-    only renamed) and moving the new one in."""
-    path = Path(path)
-    if path.exists() or path.is_symlink() or not (olds := _aside(path, "old")): return path
-    old = max(olds, key=lambda d: d.stat().st_mtime)
-    try: os.rename(old, path)
-    except OSError as e:
-        raise OSError(e.errno, f"{path} is missing: an interrupted save left the earlier one in {old}, and moving it "
-                               f"back failed ({e.strerror}); rename it to {path.name}") from None
-    warnings.warn(f"{path} was missing: an interrupted save had moved it aside to {old.name}; it is back")
-    return path
-
-def _fsync(p):
-    try:
-        fd = os.open(p, os.O_RDONLY)
-        try: os.fsync(fd)
-        finally: os.close(fd)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP): raise   # else a filesystem without fsync (some FUSE mounts)
-
-def _link(src, dst):
-    try: os.link(src, dst)
-    except OSError: shutil.copy2(src, dst)   # a filesystem without hard links
-
-def _carry(src: Path, dst: Path):
-    "Put `src` (a file, folder or link of the earlier directory) at `dst` in the new one, hard-linked, not copied."
-    if src.is_symlink(): os.symlink(os.readlink(src), dst)
-    elif src.is_dir(): shutil.copytree(src, dst, symlinks=True, copy_function=_link)
-    else: _link(src, dst)
-
-def replace_dir(path, fill, owned: str | None = None) -> Path:
-    """Make directory `path` in one step: `fill(d)` writes the complete new content into a hidden sibling `d`, which then
-    takes `path`'s place. What the earlier `path` held and `fill` did not write is carried over, except names matching
-    the regex `owned` (an earlier save's own files). A failed or killed call leaves the earlier `path` (see `recover_dir`)."""
-    given = Path(path)
-    path = given.absolute()
-    if path.is_symlink(): path = path.resolve()   # the directory it points to is the one replaced
-    if path == Path.cwd() or path in Path.cwd().parents or os.path.ismount(path):   # a rename would not take those
-        raise ValueError(f"{path} is the working directory, holds it, or is a mount point, which a save cannot replace "
-                         "as a whole: save into a directory inside it")
-    if path.exists() and not path.is_dir(): raise FileExistsError(f"{path} is a file, not a directory")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    recover_dir(path)
-    for d in _aside(path, "new") + _aside(path, "del") + _aside(path, "old"): shutil.rmtree(d, ignore_errors=True)
-    tag = uuid.uuid4().hex[:8]
-    new, old = (path.parent / f".{path.name}.{kind}-{tag}" for kind in ("new", "old"))
-    new.mkdir()   # not mkdtemp: its mode 0700 would stay with the directory
-    try:
-        fill(new)
-        for f in new.rglob("*"):
-            if not f.is_symlink(): _fsync(f)
-        if path.is_dir():
-            shutil.copymode(path, new)
-            for f in path.iterdir():
-                if not os.path.lexists(new / f.name) and not (owned and re.fullmatch(owned, f.name)): _carry(f, new / f.name)
-        _fsync(new)
-        if path.is_dir() and any(path.iterdir()): os.rename(path, old)   # (an empty one the next rename replaces)
-        os.replace(new, path)
-    except BaseException as e:
-        if old.exists() and not path.exists(): os.rename(old, path)
-        shutil.rmtree(new, ignore_errors=True)
-        if isinstance(e, OSError) and e.filename and str(e.filename).startswith(f"{new}{os.sep}"):
-            e.filename = str(path / os.path.relpath(e.filename, new))   # the file as the user knows it
-        raise
-    _fsync(path.parent)
-    if old.exists():
-        gone = path.parent / f".{path.name}.del-{tag}"   # renamed first: a half-deleted `.old` is never put back
-        os.rename(old, gone); shutil.rmtree(gone, ignore_errors=True)
-    return given
 
 # %% ../nbs/02_weights.ipynb #92df4366
 def _host_tensor(x: jax.Array, index: tuple, dtype=None) -> np.ndarray:
@@ -404,12 +307,14 @@ def _parse_size(s) -> int:
     if not m: raise ValueError(f"max_shard_size={s!r}: use bytes or a size like '5GB', '200MB'")
     return int(float(m[1]) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[m[2]])
 
+# %% ../nbs/02_weights.ipynb #2885e38e
 # the files a save writes, which replace an earlier save's (with the temporaries that earlier versions could leave)
 SAVE_FILES = (r"config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|meshtx_config\.json|"
               r"params\.safetensors|\.meshtx-save-.*|\.params\.safetensors\.tmp|meshtx_config\.json\.tmp")
 
-def _write_hf(d: Path, params: dict, config: ModelConfig, dtype=None, max_shard_size="5GB", progress=True):
-    "Write a Hugging Face checkpoint of `params` into the new directory `d`, with one shard at a time in host memory."
+def write_hf(d: Path, params: dict, config: ModelConfig, dtype=None, max_shard_size="5GB", progress=True):
+    """Write a Hugging Face checkpoint of `params` (config.json, safetensors shards and their index) into the new
+    directory `d`, with one shard at a time in host memory (`save_hf_params` makes `d` and swaps it in)."""
     limit, hf_config = _parse_size(max_shard_size), config.to_hf()
     dt = str(jnp.dtype(dtype or config.param_dtype))
     if dt not in DTYPES: raise ValueError(f"dtype={dtype!r}: a checkpoint's weights are one of {DTYPES}")   # int8 would zero them
@@ -427,17 +332,17 @@ def _write_hf(d: Path, params: dict, config: ModelConfig, dtype=None, max_shard_
             for t in tensors: bar.update(); yield t
         tensors = counted(hf_tensors(params, config, dtype))
         for keys, name in zip(shards, names):
-            _writing(d / name, save_file, dict(itertools.islice(tensors, len(keys))), d / name, metadata={"format": "pt"})
+            write_file(d / name, save_file, dict(itertools.islice(tensors, len(keys))), d / name, metadata={"format": "pt"})
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum((d / n).stat().st_size for n in names)},
                  "weight_map": {k: n for keys, n in zip(shards, names) for k in keys}}
-        _writing(d / "model.safetensors.index.json", (d / "model.safetensors.index.json").write_text, json.dumps(index, indent=2))
-    _writing(d / "config.json", hf_config.to_json_file, d / "config.json")
+        write_file(d / "model.safetensors.index.json", (d / "model.safetensors.index.json").write_text, json.dumps(index, indent=2))
+    write_file(d / "config.json", hf_config.to_json_file, d / "config.json")
 
+# %% ../nbs/02_weights.ipynb #872ce551
 def save_hf_params(path, params: dict, config: ModelConfig, dtype=None, max_shard_size="5GB", progress=True) -> Path:
     "Write a Hugging Face `GPTJForCausalLM` checkpoint (config.json + safetensors) as directory `path`, atomically."
-    return replace_dir(path, lambda d: _write_hf(d, params, config, dtype, max_shard_size, progress), owned=SAVE_FILES)
-
+    return replace_dir(path, lambda d: write_hf(d, params, config, dtype, max_shard_size, progress), owned=SAVE_FILES)
 
 # %% ../nbs/02_weights.ipynb #4ac4eb92
 MESHTX_CONFIG = "meshtx_config.json"
@@ -454,12 +359,13 @@ OLD_LAYOUT = {"gptj/blocks/attn/q": ("gptj/blocks/attn/qkv", lambda a: a[:, :, 0
                                                                  "gptj/blocks/mlp/fc_out/w")},
               "gptj/lm_head/w": ("gptj/lm_head/w", lambda a: a.T)}
 
-def _write_params(d: Path, params: dict, config: ModelConfig):
-    "Write `params` and `config` in meshtx's format into the new directory `d`."
+def write_params(d: Path, params: dict, config: ModelConfig):
+    "Write `params` and `config` in meshtx's format into the new directory `d` (`save_params` makes `d` and swaps it in)."
     flat = {f"{mod}/{p}": _host_tensor(v, ()) for mod, ps in params.items() for p, v in ps.items()}
-    _writing(d / MESHTX_PARAMS, save_file, flat, d / MESHTX_PARAMS, metadata={"format": "meshtx", "layout": LAYOUT})
-    _writing(d / MESHTX_CONFIG, config.save, d / MESHTX_CONFIG)
+    write_file(d / MESHTX_PARAMS, save_file, flat, d / MESHTX_PARAMS, metadata={"format": "meshtx", "layout": LAYOUT})
+    write_file(d / MESHTX_CONFIG, config.save, d / MESHTX_CONFIG)
 
+# %% ../nbs/02_weights.ipynb #7d22a6a4
 def from_old_layout(flat: dict) -> dict:
     "`{'module/param': array}` of an earlier meshtx (matrices `[in, out]`, a fused `qkv`) as today's parameters."
     done = {new: np.ascontiguousarray(how(np.asarray(flat[old]))) for new, (old, how) in OLD_LAYOUT.items() if old in flat}
@@ -477,9 +383,10 @@ class _OldLayout:
         old, how = OLD_LAYOUT[name]
         return np.ascontiguousarray(how(self.reader.read(old))[rows])
 
+# %% ../nbs/02_weights.ipynb #1622a003
 def save_params(path, params: dict, config: ModelConfig) -> Path:
     "Write `params` and `config` in meshtx's format as directory `path` (atomically: `replace_dir`)."
-    return replace_dir(path, lambda d: _write_params(d, params, config), owned=SAVE_FILES)
+    return replace_dir(path, lambda d: write_params(d, params, config), owned=SAVE_FILES)
 
 def load_params(path, shardings=None) -> tuple[ModelConfig, dict]:
     "Read a checkpoint written by `save_params`: `(config, params)`, checked against the config."
@@ -488,7 +395,7 @@ def load_params(path, shardings=None) -> tuple[ModelConfig, dict]:
     config = ModelConfig.load(path / MESHTX_CONFIG)
     shapes, problems = param_shapes(config), []
     reader = _Safetensors(path / MESHTX_PARAMS)
-    with _safe_open(path / MESHTX_PARAMS) as f: layout = (f.metadata() or {}).get("layout")
+    with open_safetensors(path / MESHTX_PARAMS) as f: layout = (f.metadata() or {}).get("layout")
     if layout is None: reader = _OldLayout(reader)   # written before matrices were [out, in]
     elif layout != LAYOUT: raise ValueError(f"{path / MESHTX_PARAMS} has layout {layout[:50]!r}, which this meshtx does not know: upgrade meshtx")
     for mod, ps in shapes.items():

@@ -60,16 +60,27 @@ def _voila_cmd(nb, port):
                    "--Voila.tornado_settings", "autoreload=False"]
 
 
+def ipywidgets771_env():
+    """The environment additions that make Voila and its kernel use ipywidgets 7.7.1 (Colab's) from the overlay that
+    tools/test.sh installs (`$MESHTX_IPYW771_DIR` or ~/.cache/meshtx/ipyw771), or None where it is not installed.
+    JUPYTER_PATH makes Voila pick its ipywidgets-7 widget manager (it goes by the installed jupyterlab-manager)."""
+    d = Path(os.environ.get("MESHTX_IPYW771_DIR") or Path.home() / ".cache/meshtx/ipyw771")
+    version = d / "ipywidgets/_version.py"
+    if not version.is_file() or "7, 7, 1" not in version.read_text(): return None
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(d), os.environ.get("PYTHONPATH")])),
+            "JUPYTER_PATH": os.pathsep.join(filter(None, [str(d / "share/jupyter"), os.environ.get("JUPYTER_PATH")]))}
+
+
 @contextlib.contextmanager
-def voila_server(nb_path, timeout=60, log_path=None):
-    """Serve `nb_path` with Voila on a free port on 127.0.0.1; yields (url, log_path).
+def voila_server(nb_path, timeout=60, log_path=None, env=None):
+    """Serve `nb_path` with Voila on a free port on 127.0.0.1 (`env`: variables to add); yields (url, log_path).
 
     Voila runs in its own process group so that it and its kernel are always ended together."""
     nb_path = Path(nb_path)
     port = free_port()
     log_path = Path(log_path or nb_path.with_suffix(".voila.log"))
     log = open(log_path, "wb")
-    proc = subprocess.Popen(_voila_cmd(nb_path, port), cwd=nb_path.parent, env=kernel_env(), stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(_voila_cmd(nb_path, port), cwd=nb_path.parent, env={**kernel_env(), **(env or {})}, stdin=subprocess.DEVNULL,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/"
     try:
@@ -166,3 +177,33 @@ def wait_for_widget(page, url, selector, timeout):
     }""", arg=[selector, _STDERR], timeout=timeout * 1000, polling=250)
     if not page.locator(selector).count():
         raise AssertionError(f"a notebook cell failed; {selector} never appeared:\n{page_errors(page)}")
+
+
+def truncated_labels(page):
+    """The text of every visible label, slider readout or HTML line whose text is cut (wider than its box: an ellipsis
+    or hidden overflow)."""
+    return page.evaluate("""() => Array.from(document.querySelectorAll(
+            '.widget-label, .widget-label-basic, .widget-readout, .widget-html-content, .widget-checkbox label, button'))
+        .filter(e => e.offsetParent !== null && e.scrollWidth > e.clientWidth + 1).map(e => e.innerText)""")
+
+
+def overflowing(page):
+    """Widgets whose right edge is past the page's (or past the output area they sit in): 'class right>limit'."""
+    return page.evaluate("""() => {
+        const limit = Math.min(window.innerWidth, document.documentElement.clientWidth);
+        return Array.from(document.querySelectorAll('.jupyter-widgets, .widget-box, input, textarea, pre'))
+            .filter(e => e.offsetParent !== null).flatMap(e => {
+                const area = e.closest('.jp-OutputArea-output, .output_subarea');
+                const right = Math.min(limit, area ? area.getBoundingClientRect().right : limit);
+                const r = e.getBoundingClientRect().right;
+                return r > right + 0.5 ? [`${e.className} ${r}>${right}`] : [];
+            });
+    }""")
+
+
+def shoot(page, path, copy_to=None):
+    "A full-page screenshot at `path`, copied into the folder `copy_to` too if given."
+    page.screenshot(path=str(path), full_page=True)
+    if copy_to:
+        Path(copy_to).mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, Path(copy_to) / Path(path).name)

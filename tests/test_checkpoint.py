@@ -142,7 +142,7 @@ CRASH_SCRIPT = textwrap.dedent('''
     ck = C.Checkpointer(url, keep=None)
     ck.file_bytes = 4096
     ck.save(1, tree(1))
-    real_chunk, real_bytes, calls = C._write_chunk_file, C._write_bytes, []
+    real_chunk, real_bytes, calls = C._write_chunk_file, C.write_atomic, []
 
     def slow_chunk(fs, path, pieces, fetch):      # the third data file: half written, then stuck until killed
         calls.append(path)
@@ -153,13 +153,13 @@ CRASH_SCRIPT = textwrap.dedent('''
                 time.sleep(600)
         return real_chunk(fs, path, pieces, fetch)
 
-    def die_at_marker(fs, path, data):            # every data file and manifest written, then killed
+    def die_at_marker(path, data, fs=None):       # every data file and manifest written, then killed
         if path.endswith("/" + C.MARKER):
             os.kill(os.getpid(), signal.SIGKILL)
-        return real_bytes(fs, path, data)
+        return real_bytes(path, data, fs)
 
     if mode == "data": C._write_chunk_file = slow_chunk
-    else: C._write_bytes = die_at_marker
+    else: C.write_atomic = die_at_marker
     ck.save(2, tree(2))
     print("not killed")
 ''')
@@ -244,7 +244,7 @@ def test_errors_are_clear(tmp_path):
     step = tmp_path / "run" / "step_00000001"
     manifest = (step / "manifest.json").read_text()
     (step / "manifest.json").write_text(manifest[: len(manifest) // 2])
-    with pytest.raises(ValueError, match="manifest.json is corrupted"):
+    with pytest.raises(ValueError, match="manifest.json is not valid JSON"):
         ck.restore(1)
     (step / "manifest.json").write_text(manifest)
     os.rename(step / "process_00000.json", step / "p.json")

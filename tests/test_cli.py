@@ -9,6 +9,24 @@ def meshtx(*args, timeout=300):
     return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, timeout=timeout)
 
 
+def test_parser_has_every_command_with_its_function():
+    "parser(): the subcommands in `meshtx --help`'s order, each naming the `cmd_*` that runs it, its options as typed."
+    import argparse
+    from meshtx import cli
+    p = cli.parser()
+    assert p.format_usage() == "usage: meshtx [-h] [--version] COMMAND ...\n"
+    commands = ["info", "eval", "demo", "sample", "convert", "prepare-data", "train", "finetune", "plan", "serve"]
+    listed = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert list(listed) == commands
+    need = {"convert": ["a", "b"], "prepare-data": ["f", "--out", "d"], "train": ["--config", "c"],
+            "finetune": ["--model", "m", "--data", "d"]}
+    for c in commands:
+        assert p.parse_args([c, *need.get(c, [])]).func is getattr(cli, "cmd_" + c.replace("-", "_")), c
+    a = p.parse_args(["sample", "--preset", "demo", "--top-p", "0.5", "--stop", r"\n"])
+    assert (a.top_p, a.temperature, a.stop, a.max_new_tokens) == (0.5, 0.8, [r"\n"], 128)
+    assert cli.escape_stop("\n") == r"\n" and cli.unescape_stop(r"\n") == "\n"   # still importable from meshtx.cli
+
+
 def test_info():
     r = meshtx("info")
     assert r.returncode == 0, r.stderr
@@ -42,7 +60,6 @@ def test_errors_are_one_line_not_tracebacks(tmp_path):
 
 
 def test_sample_streams_the_greedy_continuation():
-    from meshtx import sampling  # noqa: F401  (adds LM.generate)
     want = LM.init("demo").generate("Once upon a time", max_new_tokens=12, temperature=0).texts[0]
     r = meshtx("sample", "--preset", "demo", "--prompt", "Once upon a time", "--temperature", "0",
                "--max-new-tokens", "12")

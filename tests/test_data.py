@@ -1,5 +1,5 @@
 """meshtx.data: documents -> packed token files -> batches; TFRecords read without TensorFlow; local and gs://."""
-import gzip, json, struct
+import gzip, json, os, struct
 from pathlib import Path
 
 import numpy as np
@@ -7,8 +7,8 @@ import numpy.testing as npt
 import pytest
 import zstandard
 
-from meshtx.data import (Loader, TokenData, prepare_data, read_documents, read_tfrecord, windows_from_tokens,
-                         filesystem)
+from meshtx.data import Loader, TokenData, prepare_data, read_documents, read_tfrecord, windows_from_tokens
+from meshtx.storage import filesystem
 from meshtx.tokenizer import ByteTokenizer, gpt2_tokenizer
 
 
@@ -417,3 +417,64 @@ def test_empty_texts_and_surrogate_escapes_are_counted_apart(tmp_path):
     assert "2 empty documents (nothing but whitespace), skipped" in said
     assert "1 JSON escapes of lone surrogates" in said
     assert "1 bytes that are not UTF-8 were replaced" in said
+
+
+# ---- a full disk while preparing ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    "A 1 MB tmpfs (root only; skipped where it cannot be mounted), unmounted afterwards."
+    import subprocess
+    disk = tmp_path / "disk"; disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root and tmpfs to make a small disk")
+    try: yield disk
+    finally:
+        import gc; gc.collect()   # the datasets' memory maps hold their files open
+        if subprocess.run(["umount", str(disk)], capture_output=True).returncode:
+            subprocess.run(["umount", "-l", str(disk)], check=True)   # still busy: detached now, freed when closed
+
+
+def _assert_full_disk_error(e, out, name):
+    import errno
+    msg = str(e.value)
+    assert e.value.errno == errno.ENOSPC, msg
+    assert f"could not write {out.parent}" in msg and f"/{name} (staging the dataset for {out})" in msg, msg
+    assert "No space left on device" in msg and f"nothing in {out} was changed" in msg and len(msg) < 500, msg
+
+
+def test_a_full_disk_names_the_file_and_keeps_the_earlier_dataset(small_disk, tmp_path):
+    "The disk fills while the tokens are staged: an OSError names the file and what was written; the old data stays."
+    (tmp_path / "small.txt").write_text("the earlier dataset " * 500)      # 10 kB of tokens
+    (tmp_path / "big.txt").write_text("much more text " * 100_000)         # 3 MB of uint16 tokens: no room
+    out = small_disk / "data"
+    before = prepare_data(tmp_path / "small.txt", out, ByteTokenizer(), seq=16, progress=False)
+    with pytest.raises(OSError) as e:
+        prepare_data(tmp_path / "big.txt", out, ByteTokenizer(), seq=16, progress=False)
+    _assert_full_disk_error(e, out, "tokens.bin")
+    assert " MB; nothing in" in str(e.value)                               # how far it got
+    assert sorted(p.name for p in small_disk.iterdir()) == ["data"]        # the staging folder went with the error
+    after = TokenData.open(out)                                            # the earlier dataset, whole
+    assert after.header == before.header and after.n("train") == before.n("train")
+    npt.assert_array_equal(after.windows([0, after.n() - 1]), before.windows([0, before.n() - 1]))
+    del before, after
+
+
+def test_a_full_disk_while_writing_the_header(tmp_path, monkeypatch):
+    "The same where the header cannot be written (simulated: any disk): named, earlier dataset loadable, no staging left."
+    import errno, pathlib
+    (tmp_path / "a.txt").write_text("first version " * 50); (tmp_path / "b.txt").write_text("second version " * 50)
+    out = tmp_path / "data"
+    before = prepare_data(tmp_path / "a.txt", out, ByteTokenizer(), seq=16, progress=False)
+    real = pathlib.Path.write_text
+    def full(self, *a, **k):
+        if self.name == "header.json": raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, *a, **k)
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    with pytest.raises(OSError) as e:
+        prepare_data(tmp_path / "b.txt", out, ByteTokenizer(), seq=16, progress=False)
+    monkeypatch.undo()
+    _assert_full_disk_error(e, out, "header.json")
+    assert not list(tmp_path.glob(".meshtx-data-*"))
+    assert TokenData.open(out).header == before.header

@@ -8,7 +8,7 @@ import numpy as np
 import numpy.testing as npt
 import pytest
 from meshtx import LM, ModelConfig
-from meshtx.data import filesystem
+from meshtx.storage import filesystem
 from meshtx.tokenizer import ByteTokenizer
 
 TINY = dict(n_layer=2, d_model=64, n_head=4, rotary_dim=8, n_vocab=257, n_ctx=64)

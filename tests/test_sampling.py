@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import jax, jax.numpy as jnp
 from meshtx import LM, ModelConfig
-from meshtx.sampling import apply_repetition_penalty, top_k_filter, top_p_filter
+from meshtx.sampling import apply_repetition_penalty, top_k_filter, top_p_filter, _compiled
 from meshtx.sharding import make_mesh
 
 CONFIGS = {
@@ -117,7 +117,7 @@ def test_bad_options_are_named():
 def test_compiles_do_not_grow_with_prompt_length():
     lm = LM.init("tiny")
     lm.generate([[1]], max_new_tokens=10, temperature=0)
-    fns = lm._sampler
+    fns = _compiled(lm)
     p0, d0 = fns.prefill._cache_size(), fns.decode._cache_size()
     for n in (2, 7, 13, 21, 30):
         lm.generate([list(range(1, n + 1))], max_new_tokens=10, temperature=0)
@@ -184,3 +184,17 @@ def test_checkpoints_own_end_token(tmp_path):
     assert (saved["eos_token_id"], saved["bos_token_id"], saved["pad_token_id"]) == (eos, 5, 0)
     assert saved["architectures"] == ["GPTJForCausalLM"]
     assert _hf_default_greedy(tmp_path / "again", batch, 24) == ref
+
+
+def test_layering_lm_above_sampling():
+    "`meshtx.sampling` takes the model as an argument and never imports `meshtx.lm`; `lm` imports it only inside `generate`."
+    import ast, inspect
+    import meshtx.lm, meshtx.sampling
+    def top_imports(module):
+        tree = ast.parse(inspect.getsource(module))
+        return {n.module if isinstance(n, ast.ImportFrom) else a.name
+                for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    assert not {m for m in top_imports(meshtx.sampling) if m and m.split(".")[-1] == "lm"}
+    assert not {m for m in top_imports(meshtx.lm) if m and m.split(".")[-1] == "sampling"}
+    assert not hasattr(LM, "_text") and not hasattr(LM, "_chunks")    # no private helpers patched onto LM
+    assert LM.generate.__module__ == "meshtx.lm"

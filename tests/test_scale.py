@@ -32,7 +32,6 @@ RUN = textwrap.dedent("""
     def peak(): return int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) * 1024
     def rss(): return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024
     from meshtx import LM
-    from meshtx.sampling import _compiled
     jax.numpy.zeros(1).block_until_ready()
     base, what = rss(), sys.argv[2]
     lm = LM.from_hf(sys.argv[1], progress=False, tokenizer=None)
@@ -41,7 +40,7 @@ RUN = textwrap.dedent("""
            "dtype": str(lm.params["gptj/wte"]["embedding"].dtype)}
     tokens = np.random.default_rng(1).integers(0, 50400, (1, 128))
     if what == "logits":
-        params, layers = lm._weights()
+        params, layers = lm.weights()
         out["temp"] = lm._forward.lower(params, tokens.astype(np.int32), None, layers=layers).compile().memory_analysis().temp_size_in_bytes
         out["argmax"] = np.asarray(lm.logits(tokens)[0].argmax(-1)).tolist()
     else:

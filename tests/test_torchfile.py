@@ -183,8 +183,8 @@ def test_reads_only_the_rows(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     torch.save({"w": torch.randn(100, 64), "t": torch.randn(64, 100).t()}, tmp_path / "r.bin")
     tf, asked = TorchFile(tmp_path / "r.bin"), []
-    real = torchfile._pread_into
-    monkeypatch.setattr(torchfile, "_pread_into", lambda fn, pos, buf: (asked.append(buf.nbytes), real(fn, pos, buf)))
+    real = torchfile.pread_into
+    monkeypatch.setattr(torchfile, "pread_into", lambda fn, pos, buf: (asked.append(buf.nbytes), real(fn, pos, buf)))
     tf.read("w", slice(10, 13))
     assert asked == [3 * 64 * 4]
     asked.clear(); tf.read("t", slice(0, 2))   # rows of a transposed view: the span of storage they cover
@@ -373,8 +373,8 @@ def test_unknown_storage_type_and_odd_pickles(tmp_path):
 
 def test_no_torch_import():
     "The module reads files without torch: it never imports it (checked in a fresh interpreter)."
-    code = (f"import importlib.util, sys; s = importlib.util.spec_from_file_location('tf', {str(MODULE_FILE)!r}); "
-            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); print('torch' in sys.modules)")
+    code = (f"import sys, types; pkg = types.ModuleType('meshtx'); pkg.__path__ = [{str(MODULE_FILE.parent)!r}]; "
+            "sys.modules['meshtx'] = pkg; import meshtx.torchfile; print('torch' in sys.modules)")   # without meshtx/__init__
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
     assert "import torch" not in MODULE_FILE.read_text()
 
@@ -385,7 +385,9 @@ _STREAM = """
 import hashlib, importlib.util, json, re, sys
 def peak_kb():   # the kernel's high-water mark of this process's resident memory (unlike ru_maxrss, fresh after exec)
     return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read())[1])
-s = importlib.util.spec_from_file_location("tf", sys.argv[1]); m = importlib.util.module_from_spec(s); s.loader.exec_module(m)
+import os, types   # torchfile and the storage module it uses, without meshtx/__init__ (and so without jax)
+pkg = types.ModuleType("meshtx"); pkg.__path__ = [os.path.dirname(sys.argv[1])]; sys.modules["meshtx"] = pkg
+import meshtx.torchfile as m
 import numpy as np
 tf = m.TorchFile(sys.argv[2]); n = tf.shapes["big"][0]; step = int(sys.argv[3]); h = hashlib.sha256()
 base = peak_kb()

@@ -1,12 +1,12 @@
 """The widgets in-process (no browser): set values, click buttons, read the controllers and the views.
 Run on ipywidgets 8 and, by tools/test.sh, again on 7.7.1 (Colab's version)."""
-import itertools, time, types
+import html, itertools, re, time, types
 import numpy as np
 import pytest
 import ipywidgets
 from meshtx import LM
 from meshtx.train import Trainer
-from meshtx.widgets import SamplerWidget, FinetuneWidget, _uploaded
+from meshtx.widgets import COMPILING, COMPILING_STEP, PLOT_PLACEHOLDER, FinetuneWidget, SamplerWidget, _uploaded
 
 pytestmark = pytest.mark.widgets
 
@@ -15,7 +15,6 @@ PATTERN = np.tile(np.arange(10, 26), 40)[: 4 * 33].reshape(1, 4, 33)
 
 @pytest.fixture(scope="module")
 def lm():
-    import meshtx.sampling  # noqa: F401
     return LM.init("demo")
 
 
@@ -24,7 +23,8 @@ def test_sampler_generates_streams_and_stops(lm):
     w.temperature.value, w.max_tokens.value, w.seed.value = 0.0, 10, 3
     w.generate_button.click()
     assert w.controller.wait(60)
-    assert w.output.value == lm.generate("The meaning of life is", max_new_tokens=10, temperature=0).texts[0]
+    assert w.controller.text == lm.generate("The meaning of life is", max_new_tokens=10, temperature=0).texts[0]
+    assert html.escape(w.controller.text) in w.output.value and "The meaning of life is" in w.output.value
     assert w.stats.value.startswith("time to first token") and w.controller.n_tokens > 0
     assert not w.generate_button.disabled and w.stop_button.disabled
     # a long generation, stopped after its first pieces
@@ -37,7 +37,8 @@ def test_sampler_generates_streams_and_stops(lm):
     while not seen and time.time() < deadline: time.sleep(0.01)
     w.stop_button.click()
     assert w.controller.wait(60)
-    assert w.controller.n_tokens < 400 and w.output.value == w.controller.text
+    assert w.controller.n_tokens < 400 and html.escape(w.controller.text) in w.output.value
+    assert re.fullmatch(r"stopped after [\d.]+ s", w.controller.activity) and "spinner" not in w.activity.value
     assert sorted(seen) == seen                                 # the text only grew while streaming
 
 
@@ -71,7 +72,7 @@ def test_finetune_widget_step_start_pause_save(tmp_path):
     assert w.progress.value == stopped_at and w.plot.value != first_plot
     assert "val" in w.status.value
     w.save_button.click()
-    assert "saved" in w.status.value and w.error.value == ""
+    assert "saved" in w.activity.value and w.error.value == ""
     from meshtx.checkpoint import Checkpointer
     assert Checkpointer(tmp_path / "ck").steps() == [stopped_at]
 
@@ -87,13 +88,19 @@ def test_finetune_widget_builds_a_trainer_from_files(tmp_path):
     w.seq.value, w.batch.value, w.steps.value, w.lora_rank.value = 32, 4, 3, 4
     w.build_button.click()
     assert w.error.value == "" and w.controller is not None and not w.start_button.disabled
+    # it says what it prepared: the windows, their length, the held-out ones, the documents
+    info = re.sub("<[^>]+>", "", w.data_info.value)
+    m = re.fullmatch(r"prepared (\d+) windows of 32 tokens \(\+(\d+) held out\) from 1 document in 1 file", info)
+    assert m, info
+    n_tokens = len(lm.tokenizer.encode("A short text about foxes and dogs. " * 200)) + 1   # + the end-of-text token
+    assert int(m[1]) + int(m[2]) == n_tokens // 33
     w.step_button.click()
     assert w.controller.wait(60)
     assert w.controller.steps_done == 1 and lm.lora is not None
     w.controller.eval_every = 2                                 # step 2 evaluates and previews a sample
     w.start_button.click()
     assert w.controller.wait(120)
-    assert w.controller.steps_done == 3 and "done: 3 steps" in w.status.value
+    assert w.controller.steps_done == 3 and "done: 3 steps" in w.activity.value
     assert "sample" in w.sample.value and w.controller.last_sample and "val" in w.status.value
     # a new build is a new run from the base weights: rank 0 trains them all, another rank gets fresh adapters
     w.lora_rank.value = 0
@@ -112,3 +119,50 @@ def test_uploads_on_both_ipywidgets_versions():
     v8 = types.SimpleNamespace(value=({"name": "a.txt", "type": "text/plain", "size": 5, "content": memoryview(b"hello")},))
     assert _uploaded(v7) == _uploaded(v8) == [("a.txt", b"hello")]
     assert ipywidgets.__version__.split(".")[0] in ("7", "8")
+
+
+def test_sampler_says_what_it_is_doing():
+    """A fresh model's first generation says it is compiling until the first piece, then that it is generating, then
+    how long it took; the view shows a spinner only while it runs. The next generation does not say it compiles."""
+    lm = LM.init("demo")
+    w = SamplerWidget(lm, prompt="Once upon a time", temperature=0)
+    w.max_tokens.value = 24
+    seen = []
+    w.controller.on_update = lambda c: (w._refresh(c), seen.append((c.activity, c.text, "meshtx-spinner" in w.activity.value)))
+    w.generate_button.click()
+    assert w.controller.activity == COMPILING and "meshtx-spinner" in w.activity.value   # at once, before the thread
+    assert w.controller.wait(120)
+    activities = list(dict.fromkeys(a for a, _, _ in seen))
+    assert activities[0] == COMPILING and all(not text for a, text, _ in seen if a == COMPILING)
+    assert any(re.fullmatch(r"generating… \d+ tokens", a) for a in activities), activities
+    assert re.fullmatch(r"done in [\d.]+ s", activities[-1]), activities
+    assert seen[-1][2] is False and re.fullmatch(r"done in [\d.]+ s", re.sub("<[^>]+>", "", w.activity.value))
+    seen.clear()
+    w.generate_button.click()
+    assert w.controller.wait(120) and seen[0][0] == "generating…"
+    assert COMPILING not in [a for a, _, _ in seen]
+
+
+def test_finetune_says_what_it_is_doing_and_shows_a_placeholder(tmp_path):
+    t = Trainer(LM.init("tiny"), itertools.repeat(PATTERN), val_data=[PATTERN[0]], lr=3e-3, total_steps=4, progress=False)
+    w = FinetuneWidget(t, eval_every=2, plot_every=1)
+    # before the first step: a line of text where the plot will be, not an empty (broken) image
+    assert w.plot_area.children == (w.plot_placeholder,) and PLOT_PLACEHOLDER in w.plot_placeholder.value
+    assert w.plot.value == b""
+    seen = []
+    w.controller.on_update = lambda c: (seen.append((c.activity, c.running)), w._refresh(c))
+    w.start_button.click()
+    assert w.controller.wait(120)
+    activities = list(dict.fromkeys(a for a, _ in seen))
+    assert activities[:3] == [COMPILING_STEP, "training step 2 / 4…", "compiling the evaluation (first time only)…"], activities
+    assert "training step 3 / 4…" in activities and "evaluating…" in activities   # compiled once: said no more
+    assert re.fullmatch(r"done: 4 steps \(4 in [\d.]+ s\)", activities[-1]), activities
+    assert all(running for a, running in seen[:-1]) and not seen[-1][1]
+    assert w.plot_area.children == (w.plot,) and w.plot.value[:4] == b"\x89PNG"
+    assert w.progress.bar_style == "success" and "meshtx-spinner" not in w.activity.value
+    # a Step click names its step and says how long it took; a failure is said in words, not as a status
+    w.controller.total_steps = 10; w.progress.max = 10
+    w.step_button.click(); assert w.controller.wait(60)
+    assert re.fullmatch(r"1 step in [\d.]+ s", w.controller.activity)
+    w.save_button.click()
+    assert "no checkpoint directory" in w.error.value and w.controller.activity == ""

@@ -1,0 +1,39 @@
+"""The library notebooks read as lessons on GitHub: small exported cells, examples whose outputs are kept, and outputs
+that are short and the same on every machine (no temporary paths, memory addresses, timings or tracebacks)."""
+import json, re, statistics
+from pathlib import Path
+import pytest
+
+NBS = Path(__file__).parent.parent / "nbs"
+LIBRARY = sorted(NBS.glob("[0-9]*.ipynb"))
+MACHINE = re.compile(r"/tmp/|/private/var/| at 0x[0-9a-f]+|Traceback \(most recent call last\)|\d+\.\d+ ?s\b elapsed")
+
+
+def _cells(nb):
+    return [("".join(c["source"]), c) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code"]
+
+
+def _text(o) -> str:
+    if o["output_type"] == "stream": return "".join(o["text"])
+    return "".join(o.get("data", {}).get("text/plain", ""))
+
+
+@pytest.mark.parametrize("nb", LIBRARY, ids=lambda p: p.stem)
+def test_examples_keep_short_deterministic_outputs(nb):
+    cells = _cells(nb)
+    examples = [c for s, c in cells if not s.lstrip().startswith("#|")]
+    kept = [c for c in examples if c.get("outputs")]
+    assert kept, f"{nb.name}: none of its {len(examples)} example cells keeps an output (run tools/keep_outputs.py)"
+    for c in kept:
+        for o in c["outputs"]:
+            assert o["output_type"] != "error" and not (o["output_type"] == "stream" and o["name"] == "stderr"), nb.name
+            text = _text(o)
+            assert len(text.splitlines()) <= 60, f"{nb.name}: an output of {len(text.splitlines())} lines"
+            assert not MACHINE.search(text), f"{nb.name}: a machine-dependent output: {MACHINE.search(text)[0]!r}"
+    for s, c in cells:
+        if s.lstrip().startswith("#| export"): assert not c.get("outputs"), f"{nb.name}: an exported cell keeps an output"
+
+
+def test_exported_cells_are_the_size_of_their_prose():
+    sizes = [len(s.splitlines()) for nb in LIBRARY for s, _ in _cells(nb) if s.lstrip().startswith("#| export")]
+    assert statistics.median(sizes) <= 15, statistics.median(sizes)
