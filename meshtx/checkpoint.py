@@ -51,7 +51,7 @@ def _json_of(fs, path: str, where: str) -> dict:
     try: return read_json(path, fs, what=where)
     except FileNotFoundError as e: raise ValueError(str(e)) from None
 
-# %% ../nbs/07_checkpoint.ipynb #acd4f5ee
+# %% ../nbs/07_checkpoint.ipynb #4651b5a3
 _ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
               "int32": "I32", "int16": "I16", "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16",
               "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
@@ -76,6 +76,7 @@ def _read_st_header(fs, path: str) -> tuple[dict, int]:
         raise ValueError(f"checkpoint file {url_of(fs, path)} is missing") from None   # gs://bucket/..., not bucket/...
     except (struct.error, ValueError) as e: raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
 
+# %% ../nbs/07_checkpoint.ipynb #54d90d56
 def _write_chunk_file(fs, path: str, pieces: list, fetch) -> dict:
     """Write the chunks `pieces` (each with `.key, .dtype, .shape, .nbytes`) into one safetensors file; `fetch(piece)`
     gives the data. Returns each chunk's CRC-32, so that a restore can tell a damaged byte (4 GB/s: nothing to the write)."""
@@ -198,7 +199,7 @@ def check_keep(keep: int | None, keep_every: int | None):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name}={v!r} must be a positive integer or None")
 
-# %% ../nbs/07_checkpoint.ipynb #38ffe132
+# %% ../nbs/07_checkpoint.ipynb #7c729267
 class Checkpointer:
     "Sharded, atomic checkpoints of pytrees in `directory` (a local path or an fsspec URL such as gs://bucket/run)."
     file_bytes = 1 << 30   # the largest data file a process writes (bigger shards are cut into row blocks)
@@ -214,47 +215,56 @@ class Checkpointer:
     def _dir(self, step: int) -> str: return f"{self.root}/step_{step:08d}"
     def _url(self, path: str) -> str: return url_of(self.fs, path)
 
-    def _listing(self) -> list[str]:
-        "Every file at most two levels below the directory, relative to it (fresh: no cached listing)."
-        self.fs.invalidate_cache(self.root)
-        try: found = self.fs.find(self.root, maxdepth=2, withdirs=True)
-        except FileNotFoundError: return []
-        return [p[len(self.root) + 1:] for p in found if p.startswith(self.root + "/")]
+# %% ../nbs/07_checkpoint.ipynb #0a4dd54e
+@patch
+def _listing(self: Checkpointer) -> list[str]:
+    "Every file at most two levels below the directory, relative to it (fresh: no cached listing)."
+    self.fs.invalidate_cache(self.root)
+    try: found = self.fs.find(self.root, maxdepth=2, withdirs=True)
+    except FileNotFoundError: return []
+    return [p[len(self.root) + 1:] for p in found if p.startswith(self.root + "/")]
 
-    def steps(self) -> list[int]:
-        "The steps of the COMPLETE checkpoints (those with a commit marker), ascending."
-        out = []
-        for rel in self._listing():
-            parts = rel.split("/")
-            if len(parts) == 2 and parts[1] == MARKER and (m := _STEP_DIR.fullmatch(parts[0])): out.append(int(m[1]))
-        return sorted(out)
+@patch
+def steps(self: Checkpointer) -> list[int]:
+    "The steps of the COMPLETE checkpoints (those with a commit marker), ascending."
+    out = []
+    for rel in self._listing():
+        parts = rel.split("/")
+        if len(parts) == 2 and parts[1] == MARKER and (m := _STEP_DIR.fullmatch(parts[0])): out.append(int(m[1]))
+    return sorted(out)
 
-    def latest(self) -> int | None:
-        "The step of the newest complete checkpoint, or None."
-        s = self.steps()
-        return s[-1] if s else None
+@patch
+def latest(self: Checkpointer) -> int | None:
+    "The step of the newest complete checkpoint, or None."
+    s = self.steps()
+    return s[-1] if s else None
 
-    def _resolve(self, step) -> int:
-        steps = self.steps()
-        if step is None:
-            if not steps: raise ValueError(f"no complete checkpoint in {self.directory}")
-            return steps[-1]
-        step = _check_step(step)
-        if step not in steps:
-            raise ValueError(f"no complete checkpoint for step {step} in {self.directory}; complete steps: {steps}")
-        return step
+# %% ../nbs/07_checkpoint.ipynb #ca3a110e
+@patch
+def _resolve(self: Checkpointer, step) -> int:
+    steps = self.steps()
+    if step is None:
+        if not steps: raise ValueError(f"no complete checkpoint in {self.directory}")
+        return steps[-1]
+    step = _check_step(step)
+    if step not in steps:
+        raise ValueError(f"no complete checkpoint for step {step} in {self.directory}; complete steps: {steps}")
+    return step
 
-    def metadata(self, step: int | None = None) -> dict:
-        "The metadata saved with checkpoint `step` (default: the latest)."
-        return self._metadata(self._resolve(step))
+@patch
+def metadata(self: Checkpointer, step: int | None = None) -> dict:
+    "The metadata saved with checkpoint `step` (default: the latest)."
+    return self._metadata(self._resolve(step))
 
-    def _metadata(self, step: int) -> dict:
-        return _json_of(self.fs, f"{self._dir(step)}/{METADATA}", f"checkpoint step {step} in {self.directory}")
+@patch
+def _metadata(self: Checkpointer, step: int) -> dict:
+    return _json_of(self.fs, f"{self._dir(step)}/{METADATA}", f"checkpoint step {step} in {self.directory}")
 
-    def tensors(self, step: int | None = None) -> dict:
-        "`{name: {'keys', 'shape', 'dtype', ...}}` of checkpoint `step`'s tensors (default: the latest), from its manifest."
-        step = self._resolve(step)
-        return _Reader(self.fs, self._dir(step), f"checkpoint step {step} in {self.directory}").tensors
+@patch
+def tensors(self: Checkpointer, step: int | None = None) -> dict:
+    "`{name: {'keys', 'shape', 'dtype', ...}}` of checkpoint `step`'s tensors (default: the latest), from its manifest."
+    step = self._resolve(step)
+    return _Reader(self.fs, self._dir(step), f"checkpoint step {step} in {self.directory}").tensors
 
 # %% ../nbs/07_checkpoint.ipynb #bd07e5f0
 @patch
@@ -547,66 +557,85 @@ class MtjShard:
         except ValueError as e: raise ValueError(f"{p}: array {k!r} cannot be read as numbers ({e})") from None
         return a.view(jnp.bfloat16) if a.dtype == np.dtype("V2") else a
 
-# %% ../nbs/07_checkpoint.ipynb #ba82365a
-def load_mtj_checkpoint(path, config: ModelConfig, shardings=None, storage_options=None) -> dict:
-    "meshtx params from an original mesh-transformer-jax V1 checkpoint `step_N/` (slim or full), checked against `config`."
-    fs, root = filesystem(path, **(storage_options or {}))
+# %% ../nbs/07_checkpoint.ipynb #8910c64b
+def _mtj_shard_count(fs, root: str, path) -> int:
+    "How many `shard_s/` directories the V1 checkpoint `path` has, numbered from 0; else an error saying what is wrong."
     try: entries = fs.ls(root, detail=False)
     except FileNotFoundError: raise ValueError(f"checkpoint directory {path} does not exist") from None
     found = sorted(int(m[1]) for p in entries if (m := re.fullmatch(r"shard_(\d+)", p.rstrip("/").rsplit("/", 1)[-1])))
     if not found: raise ValueError(f"{path} has no shard_0/ directory: not a mesh-transformer-jax V1 checkpoint")
     if found != list(range(len(found))):
         raise ValueError(f"{path}: shard directories are not numbered 0..{len(found) - 1}: {found}")
-    S, L = len(found), config.n_layer
+    return len(found)
+
+def _mtj_first_param(shards: list, path, n_params: int, L: int) -> int:
+    "The index of the first parameter leaf: a slim checkpoint holds the params and the step, a full one the optimizer state first."
+    counts = {len(sh.leaves) for sh in shards}
+    if len(counts) != 1: raise ValueError(f"{path}: the shards hold different numbers of leaves: {sorted(counts)}")
+    n = counts.pop()
+    if n == n_params + 1: return 0                       # slim: params, step
+    if n == 3 * n_params + 3: return 2 * n_params + 2    # full: adam count, mu, nu, schedule count, params, step
+    raise ValueError(f"{path} holds {n} leaves per shard, but for n_layer={L} a slim checkpoint has "
+                     f"{n_params + 1} and a full one {3 * n_params + 3}: the config does not match")
+
+# %% ../nbs/07_checkpoint.ipynb #168f4d58
+class _MtjLeaves:
+    "The original's leaves by name (`layer_3/~/linear/w`), each checked against its per-shard shape, and combined over shards."
+    def __init__(self, shards: list, index: dict, want: dict, config: ModelConfig):
+        self.shards, self.index, self.want, self.config, self.S = shards, index, want, config, len(shards)
+
+    def leaf(self, name: str, s: int) -> np.ndarray:
+        a = self.shards[s].read(self.index[_MTJ + name])
+        if a.shape != self.want[_MTJ + name]:
+            config, L, S = self.config, self.config.n_layer, self.S
+            raise ValueError(f"{self.shards[s].leaves[self.index[_MTJ + name]][2]}: {name} has shape {a.shape}, but the "
+                             f"config (n_layer={L}, d_model={config.d_model}, n_head={config.n_head}, "
+                             f"d_ff={config.d_ff}, n_vocab={config.n_vocab}) split over {S} shards expects "
+                             f"{self.want[_MTJ + name]}")
+        return a
+    def cat(self, name, axis): return np.concatenate([self.leaf(name, s) for s in range(self.S)], axis=axis)
+    def total(self, name):
+        acc = self.leaf(name, 0).astype(np.float32)
+        for s in range(1, self.S): acc = acc + self.leaf(name, s).astype(np.float32)
+        return acc
+    def stacked(self, fn): return np.stack([fn(f"layer_{i}/~/") for i in range(self.config.n_layer)])
+
+# %% ../nbs/07_checkpoint.ipynb #625a72a6
+def _mtj_builders(r: _MtjLeaves) -> dict:
+    "How each meshtx parameter is made from the original's leaves: `{(module, param): function}`, the table above."
+    leaf, cat, total, stacked = r.leaf, r.cat, r.total, r.stacked
+    return {
+        ("gptj/wte", "embedding"): lambda: cat("embedding_shard/~/linear/w", 0).astype(np.float32)
+                                            + total("embedding_shard/~/linear/b"),
+        ("gptj/blocks/ln_1", "scale"): lambda: stacked(lambda l: leaf(l + "replicated_layer_norm/scale", 0)),
+        ("gptj/blocks/ln_1", "offset"): lambda: stacked(lambda l: leaf(l + "replicated_layer_norm/offset", 0)),
+        # haiku's Linear stores [in, out]; meshtx [out, in]. q, k, v = linear, linear_2, linear_1
+        ("gptj/blocks/attn", "q"): lambda: stacked(lambda l: cat(l + "linear/w", 1).T),
+        ("gptj/blocks/attn", "k"): lambda: stacked(lambda l: cat(l + "linear_2/w", 1).T),
+        ("gptj/blocks/attn", "v"): lambda: stacked(lambda l: cat(l + "linear_1/w", 1).T),
+        ("gptj/blocks/attn", "out"): lambda: stacked(lambda l: cat(l + "linear_3/w", 0).T),
+        ("gptj/blocks/mlp/fc_in", "w"): lambda: stacked(lambda l: cat(l + "linear_4/w", 1).T),
+        ("gptj/blocks/mlp/fc_in", "b"): lambda: stacked(lambda l: cat(l + "linear_4/b", 0)),
+        ("gptj/blocks/mlp/fc_out", "w"): lambda: stacked(lambda l: cat(l + "linear_5/w", 0).T),
+        ("gptj/blocks/mlp/fc_out", "b"): lambda: stacked(lambda l: total(l + "linear_5/b")),
+        ("gptj/ln_f", "scale"): lambda: leaf("projection_shard/~/replicated_layer_norm/scale", 0),
+        ("gptj/ln_f", "offset"): lambda: leaf("projection_shard/~/replicated_layer_norm/offset", 0),
+        ("gptj/lm_head", "w"): lambda: cat("projection_shard/~/linear/w", 1).T,
+        ("gptj/lm_head", "b"): lambda: cat("projection_shard/~/linear/b", 0),
+    }
+
+# %% ../nbs/07_checkpoint.ipynb #8506ab69
+def load_mtj_checkpoint(path, config: ModelConfig, shardings=None, storage_options=None) -> dict:
+    "meshtx params from an original mesh-transformer-jax V1 checkpoint `step_N/` (slim or full), checked against `config`."
+    fs, root = filesystem(path, **(storage_options or {}))
+    S, L = _mtj_shard_count(fs, root, path), config.n_layer
     names = mtj_param_names(L)
     want = _mtj_shard_shapes(config, S)
-    n_params = len(names)
     with ExitStack() as stack:
         shards = [MtjShard(fs, f"{root}/shard_{s}", stack) for s in range(S)]
-        counts = {len(sh.leaves) for sh in shards}
-        if len(counts) != 1: raise ValueError(f"{path}: the shards hold different numbers of leaves: {sorted(counts)}")
-        n = counts.pop()
-        if n == n_params + 1: first = 0                       # slim: params, step
-        elif n == 3 * n_params + 3: first = 2 * n_params + 2  # full: adam count, mu, nu, schedule count, params, step
-        else:
-            raise ValueError(f"{path} holds {n} leaves per shard, but for n_layer={L} a slim checkpoint has "
-                             f"{n_params + 1} and a full one {3 * n_params + 3}: the config does not match")
+        first = _mtj_first_param(shards, path, len(names), L)
         index = {name: first + i for i, name in enumerate(names)}
-
-        def leaf(name: str, s: int) -> np.ndarray:
-            a = shards[s].read(index[_MTJ + name])
-            if a.shape != want[_MTJ + name]:
-                raise ValueError(f"{shards[s].leaves[index[_MTJ + name]][2]}: {name} has shape {a.shape}, but the "
-                                 f"config (n_layer={L}, d_model={config.d_model}, n_head={config.n_head}, "
-                                 f"d_ff={config.d_ff}, n_vocab={config.n_vocab}) split over {S} shards expects "
-                                 f"{want[_MTJ + name]}")
-            return a
-        def cat(name, axis): return np.concatenate([leaf(name, s) for s in range(S)], axis=axis)
-        def total(name):
-            acc = leaf(name, 0).astype(np.float32)
-            for s in range(1, S): acc = acc + leaf(name, s).astype(np.float32)
-            return acc
-        def stacked(fn): return np.stack([fn(f"layer_{i}/~/") for i in range(L)])
-
-        build = {
-            ("gptj/wte", "embedding"): lambda: cat("embedding_shard/~/linear/w", 0).astype(np.float32)
-                                                + total("embedding_shard/~/linear/b"),
-            ("gptj/blocks/ln_1", "scale"): lambda: stacked(lambda l: leaf(l + "replicated_layer_norm/scale", 0)),
-            ("gptj/blocks/ln_1", "offset"): lambda: stacked(lambda l: leaf(l + "replicated_layer_norm/offset", 0)),
-            # haiku's Linear stores [in, out]; meshtx [out, in]. q, k, v = linear, linear_2, linear_1
-            ("gptj/blocks/attn", "q"): lambda: stacked(lambda l: cat(l + "linear/w", 1).T),
-            ("gptj/blocks/attn", "k"): lambda: stacked(lambda l: cat(l + "linear_2/w", 1).T),
-            ("gptj/blocks/attn", "v"): lambda: stacked(lambda l: cat(l + "linear_1/w", 1).T),
-            ("gptj/blocks/attn", "out"): lambda: stacked(lambda l: cat(l + "linear_3/w", 0).T),
-            ("gptj/blocks/mlp/fc_in", "w"): lambda: stacked(lambda l: cat(l + "linear_4/w", 1).T),
-            ("gptj/blocks/mlp/fc_in", "b"): lambda: stacked(lambda l: cat(l + "linear_4/b", 0)),
-            ("gptj/blocks/mlp/fc_out", "w"): lambda: stacked(lambda l: cat(l + "linear_5/w", 0).T),
-            ("gptj/blocks/mlp/fc_out", "b"): lambda: stacked(lambda l: total(l + "linear_5/b")),
-            ("gptj/ln_f", "scale"): lambda: leaf("projection_shard/~/replicated_layer_norm/scale", 0),
-            ("gptj/ln_f", "offset"): lambda: leaf("projection_shard/~/replicated_layer_norm/offset", 0),
-            ("gptj/lm_head", "w"): lambda: cat("projection_shard/~/linear/w", 1).T,
-            ("gptj/lm_head", "b"): lambda: cat("projection_shard/~/linear/b", 0),
-        }
+        build = _mtj_builders(_MtjLeaves(shards, index, want, config))
         one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         out = {}
         for mod, ps in param_shapes(config).items():

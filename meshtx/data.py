@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator
 import numpy as np
 import fsspec
+from fastcore.basics import patch
 from .storage import filesystem, is_local, is_remote, check_bucket, fetch_dir, file_version, read_json, url_of
 
 # %% auto #0
@@ -45,7 +46,7 @@ def read_index(path, storage_options=None) -> list[str]:
     return [line.strip() for line in fs.cat_file(p).decode().splitlines() if line.strip()]
 
 
-# %% ../nbs/06_data.ipynb #0c3935fd
+# %% ../nbs/06_data.ipynb #1675fd4e
 def _local_find(root: str) -> list[str]:
     """The regular files under local folder `root`, following symlinked folders (a usual way to assemble a dataset;
     fsspec lists them as files) but never around a loop. Pipes, sockets and devices are skipped with a warning: reading
@@ -63,6 +64,20 @@ def _local_find(root: str) -> list[str]:
             else: warnings.warn(f"{p}: not a regular file (a pipe, socket, device or dangling link): skipped")
     return found
 
+# %% ../nbs/06_data.ipynb #ee85c3ed
+def _found(fs, path: str, source) -> list[str]:
+    "The files one source names: an existing folder walked, an existing file itself, else a glob; hidden files left out."
+    if fs.isdir(path):   # an existing name is itself, even with `[` in it ("Books [2019]")
+        listed = _local_find(path) if is_local(fs) else fs.find(path)
+        return sorted(p for p in listed if not p.endswith("/") and not _hidden(path, p))
+    if fs.exists(path):
+        if is_local(fs) and not stat.S_ISREG(os.stat(path).st_mode):
+            raise ValueError(f"{source}: not a regular file (a pipe, socket or device), which meshtx does not read")
+        return [path]
+    if any(c in path for c in "*?["): return sorted(p for p in fs.glob(path) if fs.isfile(p) and not _hidden(path, p))
+    raise FileNotFoundError(f"{source}: no such file or folder")
+
+# %% ../nbs/06_data.ipynb #0ecd403c
 def source_files(sources, storage_options=None, exclude=()) -> list[tuple[fsspec.AbstractFileSystem, str]]:
     """Every file named by `sources`: paths, URLs, folders (walked recursively, in sorted order), globs, or `.index`
     files (lists of them, as the original project kept its TFRecords). Hidden files
@@ -77,15 +92,7 @@ def source_files(sources, storage_options=None, exclude=()) -> list[tuple[fsspec
         fs, path = filesystem(source, **(storage_options or {}))
         if str(source).endswith(".index") and fs.isfile(path):   # the original project's list of data files
             files += source_files(read_index(source, storage_options), storage_options, exclude); continue
-        if fs.isdir(path):   # an existing name is itself, even with `[` in it ("Books [2019]")
-            listed = _local_find(path) if is_local(fs) else fs.find(path)
-            found = sorted(p for p in listed if not p.endswith("/") and not _hidden(path, p))
-        elif fs.exists(path):
-            if is_local(fs) and not stat.S_ISREG(os.stat(path).st_mode):
-                raise ValueError(f"{source}: not a regular file (a pipe, socket or device), which meshtx does not read")
-            found = [path]
-        elif any(c in path for c in "*?["): found = sorted(p for p in fs.glob(path) if fs.isfile(p) and not _hidden(path, p))
-        else: raise FileNotFoundError(f"{source}: no such file or folder")
+        found = _found(fs, path, source)
         if len(found) > 1: found = _without_datasets(fs, found)
         found = [p for p in found if not inside(fs, p)]
         if not found: raise FileNotFoundError(f"{source}: no files there")
@@ -106,7 +113,7 @@ def file_kind(path: str) -> str:
     if name.endswith((".jsonl", ".ndjson", ".json")): return "jsonl"
     return "text"
 
-# %% ../nbs/06_data.ipynb #e2a792cd
+# %% ../nbs/06_data.ipynb #0ea46a51
 class _ZstdStream(io.RawIOBase):
     "The content of a zstd stream, frame after frame; a stream that ends inside a frame raises `EOFError`."
     def __init__(self, raw):
@@ -129,6 +136,7 @@ class _ZstdStream(io.RawIOBase):
         b[:n] = self.out[self.at:self.at + n]; self.at += n
         return n
 
+# %% ../nbs/06_data.ipynb #9eab336b
 def _decompressed(raw, path: str):
     "A binary stream of the content of `raw`, decompressed according to the name `path`."
     name = path.lower()
@@ -271,7 +279,7 @@ def read_documents(sources, *, storage_options=None, stats: dict | None = None) 
         yield from _file_documents(fs, path, stats)
     if stats.get("n_documents", 0) == n_before: raise ValueError(f"no documents in {sources}")
 
-# %% ../nbs/06_data.ipynb #41417fce
+# %% ../nbs/06_data.ipynb #152b5064
 def masked_crc32c(data: bytes) -> int:
     "TFRecord's checksum: the CRC-32C of `data`, rotated right by 15 bits, plus 0xa282ead8 (mod 2³²)."
     import google_crc32c
@@ -289,6 +297,7 @@ def _varint(buf, i: int) -> tuple[int, int]:
         shift += 7
         if shift >= 70: raise ValueError("varint longer than 10 bytes")
 
+# %% ../nbs/06_data.ipynb #a691e514
 def _fields(buf) -> Iterator[tuple[int, int, object]]:
     "The (field number, wire type, value) of each field of a serialized protobuf message."
     i = 0
@@ -306,6 +315,7 @@ def _fields(buf) -> Iterator[tuple[int, int, object]]:
         if i > len(buf): raise ValueError(f"field {number} runs past the end of its message")
         yield number, wire, value
 
+# %% ../nbs/06_data.ipynb #5278b34e
 def _packed_varints(buf) -> np.ndarray:
     "A packed run of varints, decoded at once: each value sums its bytes' 7-bit groups, each shifted by 7 × its place."
     b = np.frombuffer(buf, np.uint8)
@@ -394,7 +404,7 @@ def windows_from_tokens(tokens: np.ndarray, seq: int) -> np.ndarray:
     n = len(tokens) // (seq + 1)
     return tokens[: n * (seq + 1)].reshape(n, seq + 1)
 
-# %% ../nbs/06_data.ipynb #11551fb5
+# %% ../nbs/06_data.ipynb #9c1c5d48
 class _WindowWriter:
     "Appends token arrays to a binary file in whole windows of `width` tokens, keeping the remainder for later."
     def __init__(self, f, width: int, dtype, vocab: int):
@@ -415,6 +425,7 @@ class _WindowWriter:
         self.n_windows += len(windows)
         self.pending = [tokens[windows.size:]]; self.n_pending = len(tokens) - windows.size
 
+# %% ../nbs/06_data.ipynb #73c02171
 def _token_arrays(files, tokenizer, eot: int, stats: dict, bar, batch_docs: int = 256, batch_chars: int = 4 * PART_CHARS):
     """(token array, where it came from) for every document (followed by `eot`) or TFRecord record of `files`; text
     goes to the tokenizer in batches of at most `batch_docs` parts and about `batch_chars` characters."""
@@ -454,7 +465,7 @@ def val_window_indices(n_windows: int, val_fraction: float, seed: int) -> np.nda
         raise ValueError(f"val_fraction={val_fraction} of {n_windows} windows leaves no training windows")
     return np.sort(np.random.default_rng(seed).choice(n_windows, n_val, replace=False))
 
-# %% ../nbs/06_data.ipynb #415848ba
+# %% ../nbs/06_data.ipynb #cd6fe464
 FORMAT, FORMAT_VERSION = "meshtx-tokens", 1
 
 def _finish_publish(fs, root) -> bool:
@@ -472,6 +483,7 @@ def _finish_publish(fs, root) -> bool:
         return True
     return False
 
+# %% ../nbs/06_data.ipynb #600972c3
 def _publish(staging: Path, out, storage_options=None):
     """Move `tokens.bin` and `header.json` from the local `staging` folder to `out`, so that at every moment `out` holds
     the earlier dataset or the new one, or can be completed to the new one (`_finish_publish`). Both files go under
@@ -499,7 +511,6 @@ def _publish(staging: Path, out, storage_options=None):
     if fs.exists(f"{root}/header.json"): fs.rm(f"{root}/header.json")
     fs.mv(temporary["tokens.bin"], f"{root}/tokens.bin")
     fs.mv(temporary["header.json"], f"{root}/header.json")
-
 
 # %% ../nbs/06_data.ipynb #704d1d8f
 def _staging_parent(out, storage_options=None):
@@ -555,7 +566,7 @@ def _remove_abandoned_staging(parent, age: float = 3600):
                 shutil.rmtree(folder, ignore_errors=True)
         except OSError: continue
 
-# %% ../nbs/06_data.ipynb #a5358ee9
+# %% ../nbs/06_data.ipynb #2aa1fb55
 @contextlib.contextmanager
 def _staged(path: Path, out):
     "An `OSError` while writing staging file `path` (a full disk) as one naming it, the bytes written, and `out`."
@@ -567,30 +578,58 @@ def _staged(path: Path, out):
         raise OSError(e.errno, f"could not write {path} (staging the dataset for {os.fspath(out)}): {e.strerror or e}"
                                f"{written}; nothing in {os.fspath(out)} was changed") from None
 
-def prepare_data(sources, out, tokenizer, seq: int = 2048, *, val_fraction: float = 0.0, seed: int = 0,
-                 eot_id: int | None = None, storage_options=None, progress: bool = True, exclude=()) -> "TokenData":
-    """Tokenize `sources`, pack them into windows of `seq + 1` tokens, hold out `val_fraction` of the windows, write `out`.
-    Files in `out` and in the folders `exclude` are never sources."""
-    tok = resolve_tokenizer(tokenizer)
+# %% ../nbs/06_data.ipynb #e3f9c6ec
+def _check_args(tok, eot_id, seq: int, val_fraction: float) -> tuple[int, int, np.dtype]:
+    "`(vocabulary size, end-of-text id, token dtype)` for `prepare_data`'s arguments, or an error naming the bad one."
     vocab = _vocab_size(tok)
     eot = tok.eos_token_id if eot_id is None else eot_id
     if eot is None or not 0 <= eot < vocab: raise ValueError(f"eot_id={eot} is not a token of the tokenizer (vocabulary {vocab})")
     if seq < 1: raise ValueError(f"seq={seq}: must be at least 1")
     if not 0 <= val_fraction < 1: raise ValueError(f"val_fraction={val_fraction}: must be in [0, 1)")
-    dtype = np.dtype("<u2" if vocab <= 1 << 16 else "<u4")
+    return vocab, eot, np.dtype("<u2" if vocab <= 1 << 16 else "<u4")
+
+def _tokenize_into(path: Path, out, files, tok, eot: int, stats: dict, seq: int, dtype, vocab: int,
+                   progress: bool) -> _WindowWriter:
+    "Tokenize `files` into the staging file `path`, in whole windows of `seq + 1` tokens; returns the writer (its counts)."
+    from tqdm.auto import tqdm
+    with _staged(path, out), open(path, "wb") as f, tqdm(desc="tokenizing", unit=" docs", disable=not progress) as bar:
+        writer = _WindowWriter(f, seq + 1, dtype, vocab)
+        for tokens, where in _token_arrays(files, tok, eot, stats, bar): writer.add(tokens, where)
+        writer.flush()
+    return writer
+
+# %% ../nbs/06_data.ipynb #b2de6bd1
+def _header(sources, tokenizer, tok, files, stats: dict, writer: _WindowWriter, val, *, seq: int, dtype, vocab: int,
+            eot: int, val_fraction: float, seed: int) -> dict:
+    "The `header.json` of a prepared dataset: its format, what it was made from, and its counts."
+    return {"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": _tokenizer_name(tokenizer, tok),
+            "tokenizer_fingerprint": tokenizer_fingerprint(tok), "sources_digest": sources_digest(files),
+            "vocab_size": vocab, "eot_id": int(eot), "seq": seq, "dtype": dtype.name,
+            "n_documents": stats["n_documents"], "n_records": stats["n_records"], "n_files": stats["n_files"],
+            "n_tokens": writer.n_tokens, "dropped_tokens": writer.n_tokens - writer.n_windows * (seq + 1),
+            "n_windows": writer.n_windows, "n_val_windows": len(val), "val_fraction": val_fraction, "seed": seed,
+            "replaced_bytes": stats["replaced_bytes"],
+            "sources": [os.fspath(s) for s in ([sources] if isinstance(sources, (str, os.PathLike)) else sources)]}
+
+def _tokenizer_name(given, tok) -> str:
+    if isinstance(given, (str, os.PathLike)): return os.fspath(given)
+    return getattr(tok, "name_or_path", "") or type(tok).__name__
+
+# %% ../nbs/06_data.ipynb #a410ead3
+def prepare_data(sources, out, tokenizer, seq: int = 2048, *, val_fraction: float = 0.0, seed: int = 0,
+                 eot_id: int | None = None, storage_options=None, progress: bool = True, exclude=()) -> "TokenData":
+    """Tokenize `sources`, pack them into windows of `seq + 1` tokens, hold out `val_fraction` of the windows, write `out`.
+    Files in `out` and in the folders `exclude` are never sources."""
+    tok = resolve_tokenizer(tokenizer)
+    vocab, eot, dtype = _check_args(tok, eot_id, seq, val_fraction)
     check_bucket(os.fspath(out), **(storage_options or {}))   # before the tokenizing, not after it
     files = source_files(sources, storage_options, exclude=[out, *exclude])   # not an earlier output inside a source
     stats = {"n_files": 0, "n_documents": 0, "n_records": 0, "replaced_bytes": 0}
-    from tqdm.auto import tqdm
     parent = _staging_parent(out, storage_options)
     _remove_abandoned_staging(parent)
     with tempfile.TemporaryDirectory(prefix=".meshtx-data-", dir=parent) as staging, _staging_lock(Path(staging)):
         staging = Path(staging)
-        with _staged(staging / "tokens.bin", out), open(staging / "tokens.bin", "wb") as f, \
-             tqdm(desc="tokenizing", unit=" docs", disable=not progress) as bar:
-            writer = _WindowWriter(f, seq + 1, dtype, vocab)
-            for tokens, where in _token_arrays(files, tok, eot, stats, bar): writer.add(tokens, where)
-            writer.flush()
+        writer = _tokenize_into(staging / "tokens.bin", out, files, tok, eot, stats, seq, dtype, vocab, progress)
         if stats["n_documents"] + stats["n_records"] == 0: raise ValueError(f"no documents in {sources}")
         if writer.n_windows == 0:
             raise ValueError(f"not enough data for one window: {sources} gave {writer.n_tokens} tokens, "
@@ -599,21 +638,11 @@ def prepare_data(sources, out, tokenizer, seq: int = 2048, *, val_fraction: floa
         if len(val):
             rows = np.memmap(staging / "tokens.bin", dtype, "r+", shape=(writer.n_windows, seq + 1))
             with _staged(staging / "tokens.bin", out): _hold_out(rows, val); rows.flush(); del rows
-        header = {"format": FORMAT, "version": FORMAT_VERSION, "tokenizer": _tokenizer_name(tokenizer, tok),
-                  "tokenizer_fingerprint": tokenizer_fingerprint(tok), "sources_digest": sources_digest(files),
-                  "vocab_size": vocab, "eot_id": int(eot), "seq": seq, "dtype": dtype.name,
-                  "n_documents": stats["n_documents"], "n_records": stats["n_records"], "n_files": stats["n_files"],
-                  "n_tokens": writer.n_tokens, "dropped_tokens": writer.n_tokens - writer.n_windows * (seq + 1),
-                  "n_windows": writer.n_windows, "n_val_windows": len(val), "val_fraction": val_fraction, "seed": seed,
-                  "replaced_bytes": stats["replaced_bytes"],
-                  "sources": [os.fspath(s) for s in ([sources] if isinstance(sources, (str, os.PathLike)) else sources)]}
+        header = _header(sources, tokenizer, tok, files, stats, writer, val, seq=seq, dtype=dtype, vocab=vocab, eot=eot,
+                         val_fraction=val_fraction, seed=seed)
         with _staged(staging / "header.json", out): (staging / "header.json").write_text(json.dumps(header, indent=1) + "\n")
         _publish(staging, out, storage_options)
     return TokenData.open(out, storage_options=storage_options)
-
-def _tokenizer_name(given, tok) -> str:
-    if isinstance(given, (str, os.PathLike)): return os.fspath(given)
-    return getattr(tok, "name_or_path", "") or type(tok).__name__
 
 # %% ../nbs/06_data.ipynb #74de25c8
 class _RangeReader:
@@ -632,7 +661,7 @@ class _RangeReader:
         out[order] = np.frombuffer(b"".join(chunks), self.dtype).reshape(len(rows), self.width)
         return out
 
-# %% ../nbs/06_data.ipynb #99d6fcc5
+# %% ../nbs/06_data.ipynb #3f95e7f1
 class TokenData:
     "A prepared dataset: `n_windows` windows of `seq + 1` tokens; the last `header['n_val_windows']` are the validation split."
     def __init__(self, header: dict, rows, path: str):
@@ -660,41 +689,47 @@ class TokenData:
         rows = np.memmap(tokens, dtype, "r", shape=(header["n_windows"], width)) if is_local(fs) else _RangeReader(fs, tokens, dtype, width)
         return cls(header, rows, os.fspath(path))
 
-    def check_fits(self, n_vocab: int, n_ctx: int | None = None, tokenizer=None):
-        "Raise unless this data can train a model of `n_vocab` ids, context `n_ctx` and `tokenizer` (None: not compared)."
-        h = self.header
-        if h["vocab_size"] > n_vocab:   # ids past the embedding: NaN steps, not an error
-            raise ValueError(f"dataset {self.path} was tokenized with {h['tokenizer']!r} ({h['vocab_size']} ids), "
-                             f"more than the model's n_vocab={n_vocab}")
-        if n_ctx is not None and self.seq > n_ctx:
-            raise ValueError(f"dataset {self.path} has windows of {self.seq} + 1 tokens, longer than the model's context n_ctx={n_ctx}")
-        fingerprint = h.get("tokenizer_fingerprint")   # absent in data prepared before meshtx recorded it
-        if tokenizer is not None and fingerprint is not None and fingerprint != tokenizer_fingerprint(tokenizer):
-            raise ValueError(f"dataset {self.path} was tokenized with {h['tokenizer']!r}, which is not the model's tokenizer "
-                             f"({_tokenizer_name(None, tokenizer)}): prepare the data again with the model's tokenizer")
+# %% ../nbs/06_data.ipynb #1619fe01
+@patch
+def check_fits(self: TokenData, n_vocab: int, n_ctx: int | None = None, tokenizer=None):
+    "Raise unless this data can train a model of `n_vocab` ids, context `n_ctx` and `tokenizer` (None: not compared)."
+    h = self.header
+    if h["vocab_size"] > n_vocab:   # ids past the embedding: NaN steps, not an error
+        raise ValueError(f"dataset {self.path} was tokenized with {h['tokenizer']!r} ({h['vocab_size']} ids), "
+                         f"more than the model's n_vocab={n_vocab}")
+    if n_ctx is not None and self.seq > n_ctx:
+        raise ValueError(f"dataset {self.path} has windows of {self.seq} + 1 tokens, longer than the model's context n_ctx={n_ctx}")
+    fingerprint = h.get("tokenizer_fingerprint")   # absent in data prepared before meshtx recorded it
+    if tokenizer is not None and fingerprint is not None and fingerprint != tokenizer_fingerprint(tokenizer):
+        raise ValueError(f"dataset {self.path} was tokenized with {h['tokenizer']!r}, which is not the model's tokenizer "
+                         f"({_tokenizer_name(None, tokenizer)}): prepare the data again with the model's tokenizer")
 
-    def n(self, split: str = "train") -> int:
-        "The number of windows in `split` ('train' or 'val')."
-        n_val = self.header["n_val_windows"]
-        if split == "train": return self.n_windows - n_val
-        if split == "val": return n_val
-        raise ValueError(f"split={split!r}: must be 'train' or 'val'")
+# %% ../nbs/06_data.ipynb #66f1a7fa
+@patch
+def n(self: TokenData, split: str = "train") -> int:
+    "The number of windows in `split` ('train' or 'val')."
+    n_val = self.header["n_val_windows"]
+    if split == "train": return self.n_windows - n_val
+    if split == "val": return n_val
+    raise ValueError(f"split={split!r}: must be 'train' or 'val'")
 
-    def windows(self, indices, split: str = "train") -> np.ndarray:
-        "Windows `indices` (counted within `split`) as an int32 array `[len(indices), seq + 1]`."
-        idx = np.asarray(indices, np.int64).reshape(-1)
-        n = self.n(split)
-        if idx.size and (idx.min() < 0 or idx.max() >= n):
-            bad = idx[(idx < 0) | (idx >= n)][0]
-            raise IndexError(f"window {bad} of the {split} split: it has {n} windows")
-        first = self.n("train") if split == "val" else 0
-        return np.array(self._rows[idx + first], dtype=np.int32)
+@patch
+def windows(self: TokenData, indices, split: str = "train") -> np.ndarray:
+    "Windows `indices` (counted within `split`) as an int32 array `[len(indices), seq + 1]`."
+    idx = np.asarray(indices, np.int64).reshape(-1)
+    n = self.n(split)
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        bad = idx[(idx < 0) | (idx >= n)][0]
+        raise IndexError(f"window {bad} of the {split} split: it has {n} windows")
+    first = self.n("train") if split == "val" else 0
+    return np.array(self._rows[idx + first], dtype=np.int32)
 
-    def __repr__(self):
-        return (f"TokenData({self.path!r}: {self.n('train')} train + {self.n('val')} val windows of {self.seq} + 1 tokens, "
-                f"tokenizer {self.header['tokenizer']!r})")
+@patch
+def __repr__(self: TokenData):
+    return (f"TokenData({self.path!r}: {self.n('train')} train + {self.n('val')} val windows of {self.seq} + 1 tokens, "
+            f"tokenizer {self.header['tokenizer']!r})")
 
-# %% ../nbs/06_data.ipynb #3c0b5835
+# %% ../nbs/06_data.ipynb #37cc716b
 class Loader:
     "Batches `[accum, batch // process_count, seq + 1]` of a `TokenData` split: shuffled per epoch and endless for 'train', in order and finite for 'val'."
     def __init__(self, data: TokenData | str, batch: int, accum: int = 1, seed: int = 0, split: str = "train",
@@ -721,53 +756,64 @@ class Loader:
         self.position, self._orders = 0, {}
         if state is not None: self.load_state(state)
 
-    def __len__(self) -> int:
-        "Batches per pass: whole batches for a finite loader; batches to cover one epoch for a looping one."
-        per_batch = self.batch * self.accum
-        return -(-self.n_windows // per_batch) if self.loop else self.n_windows // per_batch
+# %% ../nbs/06_data.ipynb #aa4a1d5c
+@patch
+def __len__(self: Loader) -> int:
+    "Batches per pass: whole batches for a finite loader; batches to cover one epoch for a looping one."
+    per_batch = self.batch * self.accum
+    return -(-self.n_windows // per_batch) if self.loop else self.n_windows // per_batch
 
-    def state(self) -> dict:
-        "A JSON-able record of the position (global batches consumed) and of what it depends on."
-        return {"position": self.position, "seed": self.seed, "split": self.split, "batch": self.batch,
-                "accum": self.accum, "n_windows": self.n_windows, "epoch": self.position * self.batch * self.accum // self.n_windows}
+@patch
+def state(self: Loader) -> dict:
+    "A JSON-able record of the position (global batches consumed) and of what it depends on."
+    return {"position": self.position, "seed": self.seed, "split": self.split, "batch": self.batch,
+            "accum": self.accum, "n_windows": self.n_windows, "epoch": self.position * self.batch * self.accum // self.n_windows}
 
-    def load_state(self, state: dict):
-        "Continue from `state` (from `state()`): its seed and position are taken; batch, accum, split and data must match."
-        for field in ("split", "batch", "accum", "n_windows"):
-            if state[field] != getattr(self, field):
-                raise ValueError(f"loader state: {field} was {state[field]!r}, now {getattr(self, field)!r}")
-        self.seed, self.position, self._orders = state["seed"], int(state["position"]), {}
+@patch
+def load_state(self: Loader, state: dict):
+    "Continue from `state` (from `state()`): its seed and position are taken; batch, accum, split and data must match."
+    for field in ("split", "batch", "accum", "n_windows"):
+        if state[field] != getattr(self, field):
+            raise ValueError(f"loader state: {field} was {state[field]!r}, now {getattr(self, field)!r}")
+    self.seed, self.position, self._orders = state["seed"], int(state["position"]), {}
 
-    def _order(self, epoch: int) -> np.ndarray:
-        "The window order of `epoch`: a seeded permutation for training, the file order for validation."
-        if epoch not in self._orders:
-            if len(self._orders) > 2: self._orders.clear()
-            n = self.n_windows
-            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(n) if self.split == "train" else np.arange(n)
-        return self._orders[epoch]
+# %% ../nbs/06_data.ipynb #cfcb85f6
+@patch
+def _order(self: Loader, epoch: int) -> np.ndarray:
+    "The window order of `epoch`: a seeded permutation for training, the file order for validation."
+    if epoch not in self._orders:
+        if len(self._orders) > 2: self._orders.clear()
+        n = self.n_windows
+        self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(n) if self.split == "train" else np.arange(n)
+    return self._orders[epoch]
 
-    def indices(self, step: int) -> np.ndarray:
-        "The split's window indices of global batch `step`, `[accum, batch]` (all processes' rows)."
-        per_batch = self.batch * self.accum
-        epochs, offsets = np.divmod(step * per_batch + np.arange(per_batch), self.n_windows)
-        idx = np.empty(per_batch, np.int64)
-        for e in np.unique(epochs): idx[epochs == e] = self._order(int(e))[offsets[epochs == e]]
-        return idx.reshape(self.accum, self.batch)
+@patch
+def indices(self: Loader, step: int) -> np.ndarray:
+    "The split's window indices of global batch `step`, `[accum, batch]` (all processes' rows)."
+    per_batch = self.batch * self.accum
+    epochs, offsets = np.divmod(step * per_batch + np.arange(per_batch), self.n_windows)
+    idx = np.empty(per_batch, np.int64)
+    for e in np.unique(epochs): idx[epochs == e] = self._order(int(e))[offsets[epochs == e]]
+    return idx.reshape(self.accum, self.batch)
 
-    def batch_at(self, step: int) -> np.ndarray:
-        "This process's rows of global batch `step`, `[accum, batch // process_count, seq + 1]` int32."
-        idx = self.indices(step)[:, self.rows]
-        return self.data.windows(idx.reshape(-1), self.split).reshape(*idx.shape, self.data.seq + 1)
+@patch
+def batch_at(self: Loader, step: int) -> np.ndarray:
+    "This process's rows of global batch `step`, `[accum, batch // process_count, seq + 1]` int32."
+    idx = self.indices(step)[:, self.rows]
+    return self.data.windows(idx.reshape(-1), self.split).reshape(*idx.shape, self.data.seq + 1)
 
-    def __iter__(self):
-        if not self.loop:
-            for step in range(len(self)): yield self.batch_at(step)
-            return
-        while True:
-            batch = self.batch_at(self.position)
-            self.position += 1
-            yield batch
+# %% ../nbs/06_data.ipynb #7363dfcb
+@patch
+def __iter__(self: Loader):
+    if not self.loop:
+        for step in range(len(self)): yield self.batch_at(step)
+        return
+    while True:
+        batch = self.batch_at(self.position)
+        self.position += 1
+        yield batch
 
-    def __repr__(self):
-        return (f"Loader({self.split}, batch {self.batch} × accum {self.accum}, rows {self.rows.start}:{self.rows.stop}, "
-                f"position {self.position}, {'endless' if self.loop else f'{len(self)} batches'})")
+@patch
+def __repr__(self: Loader):
+    return (f"Loader({self.split}, batch {self.batch} × accum {self.accum}, rows {self.rows.start}:{self.rows.stop}, "
+            f"position {self.position}, {'endless' if self.loop else f'{len(self)} batches'})")

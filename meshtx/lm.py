@@ -247,13 +247,13 @@ def logits(self: LM, tokens, attention_mask=None) -> jax.Array:
 # %% ../nbs/04_lm.ipynb #346d7457
 @patch
 def generate(self: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, top_p=None, repetition_penalty=None,
-             stop=None, seed=0, stream=False, logprobs=False, truncate=None, eos_token_id="auto", chunk=8):
+             stop=None, seed=0, stream=False, logprobs=False, truncate=None, eos_token_id="auto", steps_per_call=8):
     """Continue each prompt (a string, token ids, or a list of either) by up to `max_new_tokens` tokens.
     Options may be scalars or per-prompt lists; `temperature=0` is greedy; one `seed` gives row `i` the seed
     `seed + i`. Each prompt must fit `n_ctx` with its own `max_new_tokens` (or is cut from the left, with
     `truncate="left"`). With `stream=True`, returns an iterator of `(prompt index, new text)` pieces as they are
-    produced (`chunk` tokens per device call). `stop` (strings, token ids or token-id lists) ends a row at the token
-    that completes one. Strings are compared as text on the host every `chunk` steps, so that decoding ends there even
+    produced (`steps_per_call` tokens per device call). `stop` (strings, token ids or token-id lists) ends a row at the token
+    that completes one. Strings are compared as text on the host every `steps_per_call` steps, so that decoding ends there even
     when the tokens spell them differently, and are cut from the text (as OpenAI's API does); token-id stops stay in
     the text and in `tokens` (as Hugging Face's stop tokens do), except the end-of-text token, which is never text.
     Returns a `Generation` (`texts`, `tokens`, `finish_reasons`, and `logprobs` if asked for), or with `stream=True` a
@@ -262,7 +262,7 @@ def generate(self: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, 
     from meshtx.sampling import generate   # the decoder, in the notebook after this one (which never imports `lm`)
     return generate(self, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                     repetition_penalty=repetition_penalty, stop=stop, seed=seed, stream=stream, logprobs=logprobs,
-                    truncate=truncate, eos_token_id=eos_token_id, chunk=chunk)
+                    truncate=truncate, eos_token_id=eos_token_id, steps_per_call=steps_per_call)
 
 # %% ../nbs/04_lm.ipynb #a3d8d78f
 def _no_adapters(lm):

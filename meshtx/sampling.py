@@ -391,7 +391,7 @@ class Stream:
 
 # %% ../nbs/05_sampling.ipynb #f67ace38
 def generate(lm: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, top_p=None, repetition_penalty=None,
-             stop=None, seed=0, stream=False, logprobs=False, truncate=None, eos_token_id="auto", chunk=8) -> Generation | Stream:
+             stop=None, seed=0, stream=False, logprobs=False, truncate=None, eos_token_id="auto", steps_per_call=8) -> Generation | Stream:
     "`lm.generate(prompts, ...)`: continue each prompt on `lm`. The options are documented with `LM.generate`."
     ids = _encode_prompts(lm, prompts)
     B = len(ids)
@@ -408,9 +408,9 @@ def generate(lm: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, to
     state = State(cache, last, jnp.zeros((Bb, N), jnp.int32), jnp.zeros((Bb, N), jnp.float32), seen,
                   jnp.asarray(np.arange(Bb) >= B), jnp.zeros((Bb,), jnp.int32), jnp.zeros((), jnp.int32))
     run = partial(call, fns.decode, opts=opts, limit=limit, eos=eos, stops=stops)
-    if stream: return Stream(lm, run, state, B, eos, stops, stop_strings, chunk)
-    if stop_strings:   # the host compares the text every `chunk` steps, and ends the rows that reach a stop string
-        for state in _chunks(lm, run, state, B, eos, stop_strings, chunk): pass
+    if stream: return Stream(lm, run, state, B, eos, stops, stop_strings, steps_per_call)
+    if stop_strings:   # the host compares the text every `steps_per_call` steps, and ends the rows that reach a stop string
+        for state in _chunks(lm, run, state, B, eos, stop_strings, steps_per_call): pass
     else: state = run(state, until=N)
     return _finish(lm, state, B, eos, stops, stop_strings, logprobs)
 

@@ -338,7 +338,7 @@ def _stopped(self: Batcher, jobs: list[Job]):
 def _open(self: Batcher, rows: list, stream=False):
     "Start one `generate` call for `rows` (at most `max_batch`): `stream_chunk` tokens per device call, 4× that if plain."
     chunk = self.stream_chunk * (1 if stream else 4)   # plain: fewer host round trips; still stops soon after its clients go
-    pieces = self.lm.generate([j.ids[i] for j, i in rows], stream=True, chunk=chunk, **self._options(rows))
+    pieces = self.lm.generate([j.ids[i] for j, i in rows], stream=True, steps_per_call=chunk, **self._options(rows))
     self.calls += 1; self.batch_sizes[len(rows)] += 1
     return pieces
 

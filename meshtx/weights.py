@@ -239,7 +239,7 @@ def _check_room(shapes: dict, where: dict):
                              "model, a smaller dtype, or more devices to shard it over (meshtx.plan says what fits)")
     return need
 
-# %% ../nbs/02_weights.ipynb #ccfb04b3
+# %% ../nbs/02_weights.ipynb #1ebc1fdc
 def _chunks(tensors, chunk_bytes: int):
     "Each `(reader, name, module, param, index)` of `tensors` as jobs `(..., first row, end row)` of about `chunk_bytes`."
     for reader, name, mod, p, index in tensors:
@@ -247,6 +247,25 @@ def _chunks(tensors, chunk_bytes: int):
         step = max(1, chunk_bytes // (math.prod(shape[1:]) * 4))
         for r0 in range(0, max(shape[0], 1), step): yield reader, name, mod, p, index, r0, min(r0 + step, shape[0])
 
+def _allocate(shapes: dict, where: dict) -> dict:
+    "`{module: {param: [_Piece, ...]}}`: one piece per device that holds part of each parameter (`where`: its sharding)."
+    return {mod: {p: [_Piece(dev, tuple(s.indices(n)[:2] for s, n in zip(ix, sd.shape)), sd.dtype)
+                      for dev, ix in where[mod][p].addressable_devices_indices_map(sd.shape).items()]
+                  for p, sd in ps.items()} for mod, ps in shapes.items()}
+
+# %% ../nbs/02_weights.ipynb #0a239f1e
+def _run_jobs(run, jobs: list, total: int, progress: bool, threads: int | None):
+    "`run(job)` (which returns the bytes it loaded) for every job on a few threads; the first error cancels the rest."
+    with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, disable=not progress) as bar, \
+         ThreadPoolExecutor(threads or _threads()) as pool:
+        done = [pool.submit(run, job) for job in jobs]
+        try:
+            for f in done: bar.update(f.result())
+        except BaseException:
+            for f in done: f.cancel()
+            raise
+
+# %% ../nbs/02_weights.ipynb #7119783d
 def assemble(shapes: dict, shardings, tensors, progress: bool = True, chunk_bytes: int = 64 << 20,
              threads: int | None = None) -> dict:
     """Parameters of `shapes` (laid out by `shardings`; None: one device) from `tensors`, `(reader, name, module, param,
@@ -254,9 +273,7 @@ def assemble(shapes: dict, shardings, tensors, progress: bool = True, chunk_byte
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     where = {mod: {p: (shardings[mod][p] if shardings else one) for p in ps} for mod, ps in shapes.items()}
     need = _check_room(shapes, where)
-    pieces = {mod: {p: [_Piece(dev, tuple(s.indices(n)[:2] for s, n in zip(ix, sd.shape)), sd.dtype)
-                        for dev, ix in where[mod][p].addressable_devices_indices_map(sd.shape).items()]
-                    for p, sd in ps.items()} for mod, ps in shapes.items()}
+    pieces = _allocate(shapes, where)
     jobs = list(_chunks(tensors, chunk_bytes))
     readers = list({id(r): r for r, *_ in tensors}.values())
     drop = _memory_tight(need.get("host memory", 0), {r.fn for r in readers})
@@ -268,14 +285,7 @@ def assemble(shapes: dict, shardings, tensors, progress: bool = True, chunk_byte
         _place(pieces[mod][p], chunk, r0, index)
         return chunk.size * np.dtype(shapes[mod][p].dtype).itemsize
     total = sum(math.prod(r.shapes[n]) * np.dtype(shapes[m][p].dtype).itemsize for r, n, m, p, _ in tensors)
-    with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, disable=not progress) as bar, \
-         ThreadPoolExecutor(threads or _threads()) as pool:
-        done = [pool.submit(run, job) for job in jobs]
-        try:
-            for f in done: bar.update(f.result())
-        except BaseException:
-            for f in done: f.cancel()
-            raise
+    _run_jobs(run, jobs, total, progress, threads)
     return {mod: {p: jax.make_array_from_single_device_arrays(sd.shape, where[mod][p], [x.array() for x in pieces[mod][p]])
                   for p, sd in ps.items()} for mod, ps in shapes.items()}
 

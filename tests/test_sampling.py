@@ -96,7 +96,7 @@ def test_logprobs_and_stop_and_stream():
     if len(words) > 2:                                   # cut at a stop string that occurs in the greedy text
         s = lm.generate("The quick brown", max_new_tokens=12, temperature=0, stop=[words[2]])
         assert words[2] not in s.texts[0] and s.finish_reasons == ["stop"]
-    streamed = "".join(t for _, t in lm.generate("The quick brown", max_new_tokens=12, temperature=0, stream=True, chunk=3))
+    streamed = "".join(t for _, t in lm.generate("The quick brown", max_new_tokens=12, temperature=0, stream=True, steps_per_call=3))
     assert streamed == g.texts[1]
 
 
