@@ -11,7 +11,7 @@ from meshtx.sampling import Generation
 from meshtx.config import LoRAConfig
 from meshtx.data import prepare_data, TokenData, Loader
 from meshtx.checkpoint import Checkpointer
-from meshtx import lora                  # adds LM.add_lora, merge_lora, save_adapters, load_adapters
+from meshtx import lora                  # the adapters' functions (LM.add_lora & co. call them)
 from meshtx.train import Trainer, make_optimizer, lr_schedule, demo
 from meshtx.runs import finetune        # whole runs from a config: meshtx.runs.train (meshtx.train is the module)
 from meshtx.evaluate import perplexity
@@ -38,7 +38,7 @@ from .sampling import Generation
 from .config import LoRAConfig
 from .data import prepare_data, TokenData, Loader
 from .checkpoint import Checkpointer
-from . import lora                  # adds LM.add_lora, merge_lora, save_adapters, load_adapters
+from . import lora                  # the adapters' functions (LM.add_lora & co. call them)
 from .train import Trainer, make_optimizer, lr_schedule, demo
 from .runs import finetune        # whole runs from a config: meshtx.runs.train (meshtx.train is the module)
 from .evaluate import perplexity

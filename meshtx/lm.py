@@ -321,6 +321,31 @@ def _save_tokenizer(tokenizer, d: Path):
 @patch(as_prop=True)
 def n_params(self: LM) -> int: return self.config.n_params
 
+# %% ../nbs/04_lm.ipynb #535ff650
+@patch
+def add_lora(self: LM, lora: LoRAConfig | int = 8, seed: int = 0, **kwargs) -> LM:
+    "Give this model fresh LoRA adapters (`lora` a `LoRAConfig` or a rank, `kwargs` its other fields); in place, returns it."
+    from meshtx.lora import add_lora
+    return add_lora(self, lora, seed, **kwargs)
+
+@patch
+def merge_lora(self: LM) -> LM:
+    "Fold this model's adapters into its weights, in place (the base weights are replaced); returns the model."
+    from meshtx.lora import merge_lora
+    return merge_lora(self)
+
+@patch
+def save_adapters(self: LM, path) -> Path:
+    "Write this model's adapters and their config alone, as directory `path` (or a `gs://` URL), atomically."
+    from meshtx.lora import save_adapters
+    return save_adapters(self, path)
+
+@patch
+def load_adapters(self: LM, path) -> LM:
+    "Attach the adapters saved in `path` (a directory or `gs://` URL) to this adapter-free model, in place; returns it."
+    from meshtx.lora import load_adapters
+    return load_adapters(self, path)
+
 # %% ../nbs/04_lm.ipynb #0afa4742
 @patch
 def shard(self: LM, mesh) -> LM:

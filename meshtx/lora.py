@@ -10,15 +10,16 @@ import json, os, tempfile
 from pathlib import Path
 import numpy as np
 import jax, jax.numpy as jnp
-from fastcore.basics import patch
 from .config import ModelConfig, LoRAConfig
 from .model import gptj
-from .lm import LM
+from typing import TYPE_CHECKING
+if TYPE_CHECKING: from meshtx.lm import LM
 from .weights import open_safetensors
 from .storage import replace_dir, recover_dir, write_file, read_json, is_remote, fetch_dir, save_remote
 
 # %% auto #0
-__all__ = ['LORA_FILE', 'LORA_CONFIG', 'is_adapter', 'split_adapters', 'join', 'init_lora', 'merge_adapters']
+__all__ = ['LORA_FILE', 'LORA_CONFIG', 'is_adapter', 'split_adapters', 'join', 'init_lora', 'add_lora', 'merge_adapters',
+           'merge_lora', 'save_adapters', 'load_adapters']
 
 # %% ../nbs/07a_lora.ipynb #28be4fee
 def is_adapter(name: str) -> bool: return name.startswith("lora_")
@@ -40,14 +41,13 @@ def init_lora(config: ModelConfig, lora: LoRAConfig, seed: int = 0, mesh=None) -
     out = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.jit(adapters, out_shardings=out)(jax.random.key(seed))
 
-@patch
-def add_lora(self: LM, lora: LoRAConfig | int = 8, seed: int = 0, **kwargs) -> LM:
-    "Give this model fresh LoRA adapters (`lora` a `LoRAConfig` or a rank); in place, returns the model."
-    if self.lora is not None: raise ValueError(f"this model already has LoRA adapters ({self.lora})")
+def add_lora(lm: LM, lora: LoRAConfig | int = 8, seed: int = 0, **kwargs) -> LM:
+    "Give `lm` fresh LoRA adapters (`lora` a `LoRAConfig` or a rank); in place, returns the model."
+    if lm.lora is not None: raise ValueError(f"this model already has LoRA adapters ({lm.lora})")
     lora = LoRAConfig(rank=lora, **kwargs) if isinstance(lora, int) else lora
-    params = join(self.params, init_lora(self.config, lora, seed, self.mesh))
-    self.__init__(self.config, params, self.tokenizer, self.mesh, lora)
-    return self
+    params = join(lm.params, init_lora(lm.config, lora, seed, lm.mesh))
+    lm.__init__(lm.config, params, lm.tokenizer, lm.mesh, lora)
+    return lm
 
 # %% ../nbs/07a_lora.ipynb #b0bbfabb
 def merge_adapters(params: dict, lora: LoRAConfig) -> dict:
@@ -71,56 +71,53 @@ def merge_adapters(params: dict, lora: LoRAConfig) -> dict:
     shardings = jax.tree.map(lambda x: x.sharding, base)
     return jax.jit(merge, donate_argnums=0, out_shardings=shardings)(base, adapters)
 
-@patch
-def merge_lora(self: LM) -> LM:
-    "Fold this model's adapters into its weights, in place (the base weights are replaced); returns the model."
-    if self.lora is None: raise ValueError("this model has no LoRA adapters to merge")
-    with self.lock:   # the merge takes (donates) the weights: not while another thread generates or trains
-        params = merge_adapters(self.params, self.lora)
-        self.__init__(self.config, params, self.tokenizer, self.mesh, None)
-    return self
+def merge_lora(lm: LM) -> LM:
+    "Fold `lm`'s adapters into its weights, in place (the base weights are replaced); returns the model."
+    if lm.lora is None: raise ValueError("this model has no LoRA adapters to merge")
+    with lm.lock:   # the merge takes (donates) the weights: not while another thread generates or trains
+        params = merge_adapters(lm.params, lm.lora)
+        lm.__init__(lm.config, params, lm.tokenizer, lm.mesh, None)
+    return lm
 
 # %% ../nbs/07a_lora.ipynb #fd51122f
 LORA_FILE, LORA_CONFIG = "lora.safetensors", "lora.json"
 
-@patch
-def save_adapters(self: LM, path) -> Path:
+def save_adapters(lm: LM, path) -> Path:
     """Write this model's adapters (and their config) as directory `path`, atomically (`replace_dir`). An existing `path` is replaced
     only when it holds nothing but an earlier save's two files: anything else in it is refused, never deleted.
     A `gs://` URL is written through a local copy, `lora.json` last, and never over earlier adapters."""
     from safetensors.numpy import save_file
-    if self.lora is None: raise ValueError("this model has no LoRA adapters to save")
-    if is_remote(path): return save_remote(path, LORA_CONFIG, self.save_adapters)
+    if lm.lora is None: raise ValueError("this model has no LoRA adapters to save")
+    if is_remote(path): return save_remote(path, LORA_CONFIG, lambda p: save_adapters(lm, p))
     path = recover_dir(Path(path))   # a save interrupted mid-swap: the earlier one is put back first
     if path.exists():
         if not path.is_dir(): raise FileExistsError(f"{path} is a file, not a directory for adapters")
         others = sorted(f.name for f in path.iterdir() if f.name not in (LORA_FILE, LORA_CONFIG))
         if others: raise FileExistsError(f"{path} holds other files ({', '.join(others[:5])}): save the adapters into a "
                                          f"new or empty directory, or one holding only {LORA_FILE} and {LORA_CONFIG}")
-    with self.lock:   # a training step in another thread may be replacing them
+    with lm.lock:   # a training step in another thread may be replacing them
         tensors = {f"{m}/{p}": np.asarray(jax.device_get(x))
-                   for m, ps in split_adapters(self.params)[1].items() for p, x in ps.items()}
-    meta = json.dumps({"lora": self.lora.to_dict(), "model": self.config.to_dict()}, indent=2)
+                   for m, ps in split_adapters(lm.params)[1].items() for p, x in ps.items()}
+    meta = json.dumps({"lora": lm.lora.to_dict(), "model": lm.config.to_dict()}, indent=2)
     def fill(d):
         write_file(d / LORA_FILE, save_file, tensors, d / LORA_FILE)
         write_file(d / LORA_CONFIG, (d / LORA_CONFIG).write_text, meta)
     return replace_dir(path, fill)
 
 # %% ../nbs/07a_lora.ipynb #175d240c
-@patch
-def load_adapters(self: LM, path) -> LM:
+def load_adapters(lm: LM, path) -> LM:
     "Attach the adapters saved in `path` to this (adapter-free) model, in place; returns the model."
     path = fetch_dir(path, progress=False) if is_remote(path) else recover_dir(Path(path))   # (put back if a save was killed)
     if not (path / LORA_CONFIG).exists(): raise FileNotFoundError(f"{path} holds no LoRA adapters ({LORA_CONFIG} is missing)")
-    if self.lora is not None: raise ValueError("this model already has LoRA adapters; merge them first")
+    if lm.lora is not None: raise ValueError("this model already has LoRA adapters; merge them first")
     meta = read_json(path / LORA_CONFIG, what="LoRA adapters")
     if not {"lora", "model"} <= meta.keys(): raise ValueError(f"{path / LORA_CONFIG} lacks \"lora\" or \"model\": not meshtx adapters")
     lora, saved_for = LoRAConfig.from_dict(meta["lora"]), ModelConfig.from_dict(meta["model"])
     shape = ("n_layer", "d_model", "n_head", "d_head", "d_ff", "n_vocab")
-    if any(getattr(saved_for, f) != getattr(self.config, f) for f in shape):
-        diff = {f: (getattr(saved_for, f), getattr(self.config, f)) for f in shape if getattr(saved_for, f) != getattr(self.config, f)}
+    if any(getattr(saved_for, f) != getattr(lm.config, f) for f in shape):
+        diff = {f: (getattr(saved_for, f), getattr(lm.config, f)) for f in shape if getattr(saved_for, f) != getattr(lm.config, f)}
         raise ValueError(f"the adapters in {path} were trained for another model shape (saved vs this model: {diff})")
-    expected = split_adapters(jax.eval_shape(lambda k: gptj(self.config, lora=lora).init(k, jnp.zeros((1, 1), jnp.int32)),
+    expected = split_adapters(jax.eval_shape(lambda k: gptj(lm.config, lora=lora).init(k, jnp.zeros((1, 1), jnp.int32)),
                                              jax.random.key(0)))[1]
     with open_safetensors(path / LORA_FILE) as f: tensors = {k: f.get_tensor(k) for k in f.keys()}   # a damaged file is named
     adapters = {}
@@ -131,8 +128,8 @@ def load_adapters(self: LM, path) -> LM:
             if tensors[name].shape != x.shape:
                 raise ValueError(f"{path / LORA_FILE}: tensor {name!r} has shape {tensors[name].shape}, expected {x.shape}")
             adapters.setdefault(m, {})[p] = tensors[name].astype(np.float32)
-    if self.mesh is not None:
-        adapters = jax.device_put(adapters, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+    if lm.mesh is not None:
+        adapters = jax.device_put(adapters, jax.sharding.NamedSharding(lm.mesh, jax.sharding.PartitionSpec()))
     else: adapters = jax.tree.map(jnp.asarray, adapters)
-    self.__init__(self.config, join(self.params, adapters), self.tokenizer, self.mesh, lora)
-    return self
+    lm.__init__(lm.config, join(lm.params, adapters), lm.tokenizer, lm.mesh, lora)
+    return lm

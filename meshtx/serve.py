@@ -192,10 +192,10 @@ def _as_request_error(e: Exception) -> RequestError:
 # %% ../nbs/10_serve.ipynb #c9de5d46
 class Batcher:
     "Runs `Job`s on `lm` from one worker thread, batching up to `max_batch` prompts that arrive within `batch_wait_ms`."
-    def __init__(self, lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, stream_chunk=8):
+    def __init__(self, lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, steps_per_call=8):
         if max_batch < 1 or max_queue < 1: raise ValueError("max_batch and max_queue must be at least 1")
         self.lm, self.max_batch, self.batch_wait, self.max_queue = lm, max_batch, batch_wait_ms / 1000, max_queue
-        self.stream_chunk = stream_chunk
+        self.steps_per_call = steps_per_call
         self._queue, self._queued = collections.deque(), 0
         self._cv, self._thread, self._closed, self._abort, self.busy = threading.Condition(), None, False, False, 0
         self.calls, self.batch_sizes = 0, collections.Counter()
@@ -336,9 +336,9 @@ def _stopped(self: Batcher, jobs: list[Job]):
 # %% ../nbs/10_serve.ipynb #6d3457a8
 @patch
 def _open(self: Batcher, rows: list, stream=False):
-    "Start one `generate` call for `rows` (at most `max_batch`): `stream_chunk` tokens per device call, 4× that if plain."
-    chunk = self.stream_chunk * (1 if stream else 4)   # plain: fewer host round trips; still stops soon after its clients go
-    pieces = self.lm.generate([j.ids[i] for j, i in rows], stream=True, steps_per_call=chunk, **self._options(rows))
+    "Start one `generate` call for `rows` (at most `max_batch`): `steps_per_call` tokens per device call, 4× that if plain."
+    steps = self.steps_per_call * (1 if stream else 4)   # plain: fewer host round trips; still stops soon after its clients go
+    pieces = self.lm.generate([j.ids[i] for j, i in rows], stream=True, steps_per_call=steps, **self._options(rows))
     self.calls += 1; self.batch_sizes[len(rows)] += 1
     return pieces
 
@@ -530,10 +530,10 @@ async def _on_http_error(request, e: HTTPException):
                         e.status_code, headers=getattr(e, "headers", None))
 
 # %% ../nbs/10_serve.ipynb #201d8ca6
-def make_app(lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, model_name="meshtx", stream_chunk=8,
+def make_app(lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, model_name="meshtx", steps_per_call=8,
              cors_origins=()) -> Starlette:
     "The Starlette app serving `lm`: `/complete`, `/v1/completions`, `/v1/models` and `/stats`."
-    batcher = Batcher(lm, max_batch, batch_wait_ms, max_queue, stream_chunk)
+    batcher = Batcher(lm, max_batch, batch_wait_ms, max_queue, steps_per_call)
     n_ctx, created = lm.config.n_ctx, int(time.time())
 
     async def complete(request):

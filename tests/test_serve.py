@@ -5,7 +5,6 @@ from pathlib import Path
 import httpx
 import pytest
 from meshtx import LM
-import meshtx.sampling  # noqa: F401  (adds LM.generate)
 
 pytestmark = pytest.mark.timeout(300)
 
