@@ -6,7 +6,7 @@ Each notebook runs as `nbdev-test` runs it (cells flagged `heavy`/`notest` are s
 offline, as in `tools/test.sh`). Only what a reader can use is kept: stdout and results as text (and PNG plots),
 never stderr (warnings, progress bars: they differ between machines), never widget state. Sources are not touched:
 the outputs are copied into the notebook cell by cell, and a cell whose source changed meanwhile keeps none.
-Then run `nbdev-clean`, which keeps outputs and strips the rest (execution counts, metadata)."""
+Each notebook is then cleaned as `nbdev-clean` does (outputs stay; execution counts and metadata go)."""
 import json, os, re, sys, shutil
 from pathlib import Path
 
@@ -49,14 +49,13 @@ def kept(outputs: list) -> list:
 def run(fn: Path) -> list[str]:
     "Execute `fn` (a copy, in its own folder) and copy the kept outputs into it; returns warnings about long outputs."
     from nbdev.test import test_nb
-    if True:
-        tmp = fn.parent / f".{fn.stem}.keep-outputs.ipynb"   # same folder: relative paths in the notebook still work
-        shutil.copy(fn, tmp)
-        try:
-            ok, _ = test_nb(tmp, skip_flags=["notest", "heavy"], save=True)
-            if not ok: raise SystemExit(f"{fn}: a cell failed (see above); outputs not kept")
-            ran = json.loads(tmp.read_text())
-        finally: tmp.unlink(missing_ok=True)
+    tmp = fn.parent / f".{fn.stem}.keep-outputs.ipynb"   # same folder: relative paths in the notebook still work
+    shutil.copy(fn, tmp)
+    try:
+        ok, _ = test_nb(tmp, skip_flags=["notest", "heavy"], save=True)
+        if not ok: raise SystemExit(f"{fn}: a cell failed (see above); outputs not kept")
+        ran = json.loads(tmp.read_text())
+    finally: tmp.unlink(missing_ok=True)
     src = json.loads(fn.read_text())   # read again now: an edit made while it ran is kept (its cell keeps no output)
     by_source = {}
     for c in ran["cells"]:
@@ -72,6 +71,8 @@ def run(fn: Path) -> list[str]:
         if n > MAX_LINES: notes.append(f"{fn.name}: a cell keeps {n} lines of output ({_text(c['source'])[:60]!r}…)")
         c["execution_count"] = None
     fn.write_text(json.dumps(src, indent=1, ensure_ascii=False) + "\n")
+    from nbdev.clean import nbdev_clean
+    nbdev_clean(str(fn))   # nbdev's form (it keeps outputs): what CI's agreement check expects
     return notes
 
 
