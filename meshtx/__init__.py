@@ -14,7 +14,11 @@ from meshtx.checkpoint import Checkpointer
 from meshtx import lora                  # the adapters' functions (LM.add_lora & co. call them)
 from meshtx.train import Trainer, make_optimizer, lr_schedule, demo
 from meshtx.runs import finetune        # whole runs from a config: meshtx.runs.train (meshtx.train is the module)
-from meshtx.evaluate import perplexity
+def __getattr__(name):   # `meshtx.perplexity` on first use: so `python -m meshtx.evaluate` runs a module not yet imported
+    if name == "perplexity":
+        from meshtx.evaluate import perplexity
+        return perplexity
+    raise AttributeError(f"module 'meshtx' has no attribute {name!r}")
 ```"""
 
 __version__ = "0.0.1"
@@ -41,4 +45,8 @@ from .checkpoint import Checkpointer
 from . import lora                  # the adapters' functions (LM.add_lora & co. call them)
 from .train import Trainer, make_optimizer, lr_schedule, demo
 from .runs import finetune        # whole runs from a config: meshtx.runs.train (meshtx.train is the module)
-from .evaluate import perplexity
+def __getattr__(name):   # `meshtx.perplexity` on first use: so `python -m meshtx.evaluate` runs a module not yet imported
+    if name == "perplexity":
+        from meshtx.evaluate import perplexity
+        return perplexity
+    raise AttributeError(f"module 'meshtx' has no attribute {name!r}")

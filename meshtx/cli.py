@@ -235,12 +235,20 @@ def _add_demo(sub):
 # %% ../nbs/12_cli.ipynb #701c95f4
 EVAL_HELP = """usage: meshtx eval --model_args pretrained=MODEL --tasks TASKS [lm_eval's other arguments]
 
-Run lm-evaluation-harness's tasks on a meshtx model (the `meshtx` model is chosen for you). MODEL is a hub id, a Hugging
-Face directory or a meshtx checkpoint. Examples:
+Run lm-evaluation-harness's tasks on a meshtx model: this is lm_eval's own command line with the `meshtx` model
+registered (`--model meshtx`, the default and the only model it runs). MODEL is a hub id, a Hugging Face directory
+or a meshtx checkpoint. Examples:
 
-  meshtx eval --model_args pretrained=EleutherAI/gpt-j-6b --tasks lambada_openai,hellaswag --batch_size 8
-  meshtx eval --model_args pretrained=./my-model,dtype=float32 --tasks wikitext --limit 100
+  meshtx eval --model meshtx --model_args pretrained=EleutherAI/gpt-j-6b --tasks lambada_openai,hellaswag --batch_size 8
+  meshtx eval --model meshtx --model_args pretrained=./my-model,dtype=float32 --tasks wikitext --limit 100
   meshtx eval --model_args pretrained=./my-model --tasks my_task --include_path ./tasks   (a local task, offline)
+  python -m meshtx.evaluate --model meshtx --model_args pretrained=./my-model --tasks wikitext   (the same)
+
+Why not `lm_eval --model meshtx`? lm-eval's own command finds only the models registered in its own process, and
+lm-eval 0.4.13 and older look for none in other installed packages, so it cannot see `meshtx`: use `meshtx eval`.
+(meshtx declares the `lm_eval.models` entry point that lm-eval's newer plugin mechanism reads: with a release that
+has it, `lm_eval --model meshtx ...` works too.) In Python: `import meshtx.evaluate`, then
+`lm_eval.simple_evaluate(model="meshtx", model_args="pretrained=./my-model", tasks=[...])`.
 
 Every other argument is lm_eval's (`meshtx eval --help-lm-eval` lists them). Needs lm-eval: pip install "meshtx[eval]"."""
 
@@ -411,21 +419,30 @@ def cmd_serve(args) -> int:
         args.model = args.model_arg
     if not (args.model or args.preset): raise ValueError("give a model (MODEL, --model) or --preset")
     _check_free(args.host, args.port)
+    template = None
+    if args.chat_template:
+        try: template = Path(args.chat_template).read_text()
+        except (OSError, UnicodeDecodeError) as e: raise ValueError(f"cannot read the chat template {args.chat_template}: {e}") from None
     lm = _load_model(args)
     name = args.model_name or args.preset or str(args.model)
     serve(lm, host=args.host, port=args.port, log_level="warning" if args.quiet else "info", model_name=name,
           announce=f"meshtx: serving {name}: {lm}",   # once bound, with the real port (--port 0), also with -q
           max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms, max_queue=args.max_queue,
-          cors_origins=args.cors_origin or ())
+          cors_origins=args.cors_origin or (), chat_template=template, max_request_bytes=int(args.max_request_mb * 2**20))
     return 0
 
 # %% ../nbs/12_cli.ipynb #34b29509
 def _add_serve(sub):
     "Add `meshtx serve` to `sub`: the model (as an argument or `--model`), where to listen, how to batch."
-    s = sub.add_parser("serve", help="serve a model over HTTP (/complete and OpenAI's /v1/completions)",
-                       description="Serve a model over HTTP. Plain requests that arrive together are decoded in one "
-                       "batch; streamed requests run one at a time (not batched), so concurrent streaming clients wait "
-                       "for each other.")
+    s = sub.add_parser("serve", help="serve a model over HTTP (/complete, OpenAI's /v1/completions and /v1/chat/completions)",
+                       description="Serve a model over HTTP: /complete, and OpenAI's /v1/completions (logprobs, echo, n, "
+                       "best_of, penalties, logit_bias) and /v1/chat/completions (the tokenizer's chat template, or "
+                       "--chat-template). Plain requests that arrive together are decoded in one batch; streamed requests "
+                       "run one at a time. Compiled shapes, each once: batch rows, prompt length and new tokens rounded up "
+                       "to powers of two (prompts and new tokens at least 16); stops always as one table of 16 sequences "
+                       "x 64 tokens; 5 or 20 top log-probabilities. Limits: a body of --max-request-mb, a prompt of "
+                       "n_ctx tokens (and as many characters as n_ctx tokens can hold), 16 stop strings of 256 characters, "
+                       "logprobs <= 20, n and best_of <= 64.")
     s.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model, as --model gives it (`meshtx serve DIR`)")
     m = s.add_mutually_exclusive_group()
     m.add_argument("--model", help="hub id, Hugging Face directory or meshtx checkpoint (local or gs://)")
@@ -439,6 +456,8 @@ def _add_serve(sub):
     s.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long to gather requests into a batch (default 5)")
     s.add_argument("--max-queue", type=_positive, default=64, help="most prompts waiting; more are refused with 503 (default 64)")
     s.add_argument("--cors-origin", action="append", help="allow browser requests from this origin (repeatable)")
+    s.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's own)")
+    s.add_argument("--max-request-mb", type=float, default=8.0, help="the largest request body read; larger ones get a 413 (default 8)")
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars or access log")
     s.set_defaults(func=cmd_serve)
 

@@ -265,8 +265,9 @@ def _generate_until(self: MeshtxLM, requests, disable_tqdm=False) -> list[str]:
 _AS_SCRIPT = __name__ == "__main__" and "__file__" in globals()   # `python -m meshtx.evaluate` (not a notebook)
 if HAVE_LM_EVAL and not _AS_SCRIPT:
     import lm_eval.models                        # lm-eval's own models first (see above)
-    try: register_model("meshtx")(MeshtxLM)
-    except ValueError: pass                      # already registered by the installed `meshtx.evaluate`
+    from lm_eval.api.registry import MODEL_REGISTRY
+    if "meshtx" not in MODEL_REGISTRY:           # else the installed module's class (in a notebook), or the entry
+        register_model("meshtx")(MeshtxLM)       # point a plugin-reading lm-eval recorded, which loads this class
 
 def main(argv=None):
     "The `lm_eval` command line with the `meshtx` model registered (`python -m meshtx.evaluate --model meshtx ...`)."

@@ -247,7 +247,8 @@ def logits(self: LM, tokens, attention_mask=None) -> jax.Array:
 # %% ../nbs/04_lm.ipynb #346d7457
 @patch
 def generate(self: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, top_p=None, repetition_penalty=None,
-             stop=None, seed=0, stream=False, logprobs=False, truncate=None, eos_token_id="auto", steps_per_call=8):
+             stop=None, seed=0, stream=False, logprobs=False, truncate=None, eos_token_id="auto", steps_per_call=8,
+             presence_penalty=None, frequency_penalty=None, logit_bias=None, top_logprobs=None):
     """Continue each prompt (a string, token ids, or a list of either) by up to `max_new_tokens` tokens.
     Options may be scalars or per-prompt lists; `temperature=0` is greedy; one `seed` gives row `i` the seed
     `seed + i`. Each prompt must fit `n_ctx` with its own `max_new_tokens` (or is cut from the left, with
@@ -256,13 +257,17 @@ def generate(self: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, 
     that completes one. Strings are compared as text on the host every `steps_per_call` steps, so that decoding ends there even
     when the tokens spell them differently, and are cut from the text (as OpenAI's API does); token-id stops stay in
     the text and in `tokens` (as Hugging Face's stop tokens do), except the end-of-text token, which is never text.
-    Returns a `Generation` (`texts`, `tokens`, `finish_reasons`, and `logprobs` if asked for), or with `stream=True` a
-    `Stream`. `top_k`/`top_p`/`repetition_penalty` None, `top_k` 0 or -1, and `top_p` 1 are off; `eos_token_id="auto"`
-    is `lm.eos_token_id`, None never stops there."""
+    `presence_penalty`/`frequency_penalty` (OpenAI's, in [-2, 2], on the generated tokens) and `logit_bias` (`{token id:
+    bias in [-100, 100]}`, or one per prompt) shape the sampler's logits. Returns a `Generation` (`texts`, `tokens`,
+    `finish_reasons`, and `logprobs` if asked for; `top_logprobs=k` adds, per token, `{id: logprob}` of the k likeliest and
+    the chosen one under the model's raw logits), or with `stream=True` a `Stream` (its `tokens` and `top_logprobs` are
+    set once it is exhausted). `top_k`/`top_p`/the penalties None, `top_k` 0 or -1, and `top_p` 1 are off;
+    `eos_token_id="auto"` is `lm.eos_token_id`, None never stops there."""
     from meshtx.sampling import generate   # the decoder, in the notebook after this one (which never imports `lm`)
     return generate(self, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                     repetition_penalty=repetition_penalty, stop=stop, seed=seed, stream=stream, logprobs=logprobs,
-                    truncate=truncate, eos_token_id=eos_token_id, steps_per_call=steps_per_call)
+                    truncate=truncate, eos_token_id=eos_token_id, steps_per_call=steps_per_call, presence_penalty=presence_penalty,
+                    frequency_penalty=frequency_penalty, logit_bias=logit_bias, top_logprobs=top_logprobs)
 
 # %% ../nbs/04_lm.ipynb #a3d8d78f
 def _no_adapters(lm):

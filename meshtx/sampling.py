@@ -17,14 +17,20 @@ from .sharding import activation_hint, kv_cache_shardings, fit_spec, BATCH
 if TYPE_CHECKING: from meshtx.lm import LM   # for annotations only: the model is an argument, not an import
 
 # %% auto #0
-__all__ = ['apply_repetition_penalty', 'top_k_filter', 'top_p_filter', 'Options', 'top1', 'choose', 'State', 'Generation',
-           'per_row', 'check_option', 'cut_at_stop', 'token_text', 'Stream', 'generate', 'unescape_stop', 'escape_stop']
+__all__ = ['MAX_STOPS', 'STOP_TOKENS', 'apply_repetition_penalty', 'apply_presence_frequency', 'top_k_filter', 'top_p_filter',
+           'Options', 'top1', 'choose', 'model_logprobs', 'State', 'stopped', 'Generation', 'per_row', 'check_option',
+           'stop_table', 'cut_at_stop', 'token_text', 'Stream', 'generate', 'unescape_stop', 'escape_stop']
 
 # %% ../nbs/05_sampling.ipynb #d198f757
 def apply_repetition_penalty(logits, seen, penalty):
     "Penalize the logits `[B, V]` of tokens marked in `seen` `[B, V]` by `penalty` `[B]` (1 = off)."
     p = penalty[:, None]
     return jnp.where(seen, jnp.where(logits < 0, logits * p, logits / p), logits)
+
+# %% ../nbs/05_sampling.ipynb #7e17abdc
+def apply_presence_frequency(logits, counts, presence, frequency):
+    "Lower the logits `[B, V]` by `frequency` `[B]` per generated occurrence (`counts` `[B, V]`) and `presence` `[B]` once."
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
 
 # %% ../nbs/05_sampling.ipynb #e2831484
 def top_k_filter(logits, k):
@@ -45,12 +51,15 @@ def top_p_filter(logits, p):
 
 # %% ../nbs/05_sampling.ipynb #8ecde670
 class Options(NamedTuple):
-    "Per-row sampling options, each `[B]`."
+    "Per-row sampling options, each `[B]`, and `bias` `[B, V]`, added to the logits."
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
-    penalty: jax.Array
+    penalty: jax.Array     # repetition penalty (1: off)
+    presence: jax.Array    # presence penalty (0: off)
+    frequency: jax.Array   # frequency penalty (0: off)
     seed: jax.Array
+    bias: jax.Array
 
 # %% ../nbs/05_sampling.ipynb #41757540
 def top1(x):
@@ -60,18 +69,22 @@ def top1(x):
     return jnp.minimum(i, x.shape[-1] - 1), top   # (a NaN row would find no maximum: keep the index in range)
 
 # %% ../nbs/05_sampling.ipynb #428493d5
-def choose(logits, seen, opts: Options, step):
-    "Next token `[B]` and its log-probability under the final (filtered, tempered) distribution."
-    logits = logits.astype(jnp.float32)
+def choose(logits, seen, counts, opts: Options, step):
+    """Next token `[B]` and its log-probability under the final (biased, penalized, filtered, tempered) distribution.
+    `seen` `[B, V]`: tokens in the prompt or generated; `counts` `[B, V]`: generated ones; `step`: each row's `[B]` (or one)."""
+    logits = logits.astype(jnp.float32) + opts.bias
     # each stage that touches the whole vocabulary runs only when some row asks for it (a run-time test)
     logits = jax.lax.cond((opts.penalty != 1).any(), lambda x: apply_repetition_penalty(x, seen, opts.penalty),
                           lambda x: x, logits)
+    logits = jax.lax.cond(((opts.presence != 0) | (opts.frequency != 0)).any(),
+                          lambda x: apply_presence_frequency(x, counts, opts.presence, opts.frequency), lambda x: x, logits)
     greedy = opts.temperature == 0
     def sample(logits):
         scaled = logits / jnp.where(greedy, 1.0, opts.temperature)[:, None]
         scaled = jax.lax.cond((opts.top_k > 0).any(), lambda x: top_k_filter(x, opts.top_k), lambda x: x, scaled)
         scaled = jax.lax.cond((opts.top_p < 1).any(), lambda x: top_p_filter(x, opts.top_p), lambda x: x, scaled)
-        keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(opts.seed)
+        steps = jnp.broadcast_to(step, opts.seed.shape)
+        keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(opts.seed, steps)
         sampled = jax.vmap(jax.random.categorical)(keys, scaled)
         token = jnp.where(greedy, top1(logits)[0], sampled)
         dist = jnp.where(greedy[:, None], logits, scaled)
@@ -81,20 +94,33 @@ def choose(logits, seen, opts: Options, step):
         return token, -jnp.log(jnp.exp(logits - top[:, None]).sum(-1))
     return jax.lax.cond(greedy.all(), all_greedy, sample, logits)
 
+# %% ../nbs/05_sampling.ipynb #36f120fb
+def model_logprobs(logits, token, k: int):
+    "The model's log-probabilities (the log-softmax of the raw `logits` `[B, V]`): of `token` `[B]`, and the `k` likeliest `(ids, logprobs)` `[B, k]`."
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top_lp, top_ids = jax.lax.top_k(lp, k)
+    return jnp.take_along_axis(lp, token[:, None], axis=-1)[:, 0], top_ids, top_lp
+
 # %% ../nbs/05_sampling.ipynb #46a4d0c0
 class State(NamedTuple):
     cache: KVCache
     logits: jax.Array    # [B, V] logits for the next token
     out: jax.Array       # [B, N] generated tokens
-    logp: jax.Array      # [B, N] their log-probabilities
+    logp: jax.Array      # [B, N] their log-probabilities (the sampler's)
     seen: jax.Array      # [B, V] tokens in the prompt or generated (for the repetition penalty)
+    counts: jax.Array    # [B, V] generated tokens, counted (for the presence and frequency penalties)
     done: jax.Array      # [B] row finished
     length: jax.Array    # [B] tokens generated
     step: jax.Array      # [] decode steps taken
+    model_lp: jax.Array  # [B, N] the model's log-probabilities of the tokens ([B, 0] when not asked for)
+    top_ids: jax.Array   # [B, N, k] the k likeliest tokens at each step ([B, 0, 0] when not asked for)
+    top_lp: jax.Array    # [B, N, k] their log-probabilities
 
 # %% ../nbs/05_sampling.ipynb #a30dc1e2
-def _stopped(out, length, stops):
-    "Does each row's generated text end with one of `stops` `[S, K]` (right-aligned token ids, -1 = padding)?"
+MAX_STOPS, STOP_TOKENS = 16, 64   # the stop table's one shape
+
+def stopped(out, length, stops):
+    "Does each row's generated text `out` `[B, N]` (`length` `[B]`) end with one of `stops` `[S, K]` (right-aligned ids, -1 = padding)?"
     S, K = stops.shape
     idx = length[:, None] - K + jnp.arange(K)[None, :]                      # the last K tokens of each row
     tail = jnp.where(idx >= 0, jnp.take_along_axis(out, jnp.maximum(idx, 0), axis=1), -2)
@@ -113,16 +139,19 @@ def _prefill(apply, params, tokens, mask, cache, vocab):
 def _decode(apply, state: State, opts: Options, limit, eos, stops, until):
     def cond(s): return (s.step < until) & ~s.done.all()
     def body(s):
-        token, lp = choose(s.logits, s.seen, opts, s.step)
-        live = ~s.done
+        token, lp = choose(s.logits, s.seen, s.counts, opts, s.length)   # a live row's length is the step
+        live, rows = ~s.done, jnp.arange(s.done.shape[0])
         token = jnp.where(live, token, eos)
         out = s.out.at[:, s.step].set(token)
         logp = s.logp.at[:, s.step].set(jnp.where(live, lp, 0.0))
         length = s.length + live
-        done = s.done | (live & ((token == eos) | (length >= limit) | _stopped(out, length, stops)))
-        seen = s.seen.at[jnp.arange(token.shape[0]), token].set(True)
+        done = s.done | (live & ((token == eos) | (length >= limit) | stopped(out, length, stops)))
+        seen, counts = s.seen.at[rows, token].set(True), s.counts.at[rows, token].add(live.astype(jnp.int32))
+        tops = (s.model_lp, s.top_ids, s.top_lp)
+        if s.top_ids.shape[-1]:   # asked for (a static shape): the model's own log-probabilities, and the k likeliest
+            tops = tuple(a.at[:, s.step].set(b) for a, b in zip(tops, model_logprobs(s.logits, token, s.top_ids.shape[-1])))
         logits, cache = apply_one(s.cache, token)
-        return State(cache, logits, out, logp, seen, done, length, s.step + 1)
+        return State(cache, logits, out, logp, seen, counts, done, length, s.step + 1, *tops)
     def apply_one(cache, token):
         logits, cache = apply(token[:, None], cache)
         return logits[:, 0], cache
@@ -135,7 +164,8 @@ class Generation:
     texts: list            # generated text (without the prompt), cut at a stop sequence
     tokens: list           # generated token ids (including the end-of-text token if one was produced)
     finish_reasons: list   # "stop" (end-of-text or a stop sequence) or "length"
-    logprobs: list | None = None  # per-token log-probabilities, when asked for
+    logprobs: list | None = None       # per-token log-probabilities (the sampler's), when asked for
+    top_logprobs: list | None = None   # per token, `{token id: the model's log-probability}`: the token's and the likeliest
 
 # %% ../nbs/05_sampling.ipynb #e57094bf
 _CHECKS = {   # name: (default for None, the test a value passes, dtype)
@@ -143,12 +173,15 @@ _CHECKS = {   # name: (default for None, the test a value passes, dtype)
     "top_k": (0, lambda v: int(v) == v and v >= -1, np.int32),    # 0 or -1 (vLLM's spelling): off
     "top_p": (1.0, lambda v: 0 <= float(v) <= 1, np.float32),     # 0: only the likeliest token
     "repetition_penalty": (1.0, lambda v: float(v) > 0 and math.isfinite(float(v)), np.float32),
+    "presence_penalty": (0.0, lambda v: -2 <= float(v) <= 2, np.float32),     # OpenAI's range
+    "frequency_penalty": (0.0, lambda v: -2 <= float(v) <= 2, np.float32),
     "max_new_tokens": (None, lambda v: int(v) == v and v >= 1, np.int32),
     "seed": (0, lambda v: int(v) == v and 0 <= v < 2**32, np.uint32),
 }
 
 def per_row(name: str, value, n: int) -> np.ndarray:
-    """Sampling option `name` (a `generate` argument: temperature, top_k, top_p, repetition_penalty, max_new_tokens, seed)
+    """Sampling option `name` (a `generate` argument: temperature, top_k, top_p, repetition_penalty, presence_penalty,
+    frequency_penalty, max_new_tokens, seed)
     as `n` values: `value` is one for every row or a list of `n` (None: the default). A bad one is a `ValueError` naming it."""
     if name not in _CHECKS: raise ValueError(f"unknown sampling option {name!r}; the options are {sorted(_CHECKS)}")
     default, check, dtype = _CHECKS[name]
@@ -168,6 +201,24 @@ def per_row(name: str, value, n: int) -> np.ndarray:
 def check_option(name: str, value):
     "One value of sampling option `name` (None: its default) as a Python number, or a `ValueError` naming it."
     return per_row(name, value, 1)[0].item()
+
+# %% ../nbs/05_sampling.ipynb #652eb73f
+def _bias_rows(logit_bias, B: int, V: int) -> np.ndarray:
+    "`logit_bias` as `[B, V]` float32: one `{token id: bias in [-100, 100]}` for every row, or a list of `B` (None: none)."
+    rows = list(logit_bias) if isinstance(logit_bias, (list, tuple)) else [logit_bias] * B
+    if len(rows) != B: raise ValueError(f"invalid logit_bias=<{len(rows)} dicts>: give one for each of the {B} prompts")
+    bias = np.zeros((B, V), np.float32)
+    for i, row in enumerate(rows):
+        if row is None: continue
+        if not isinstance(row, dict): raise ValueError(f"invalid logit_bias={row!r}: a dict {{token id: bias}}")
+        for t, b in row.items():
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < V:
+                raise ValueError(f"invalid logit_bias={{{t!r}: ...}}: token ids are integers in [0, {V})")
+            try: ok = -100 <= float(b) <= 100
+            except (TypeError, ValueError): ok = False
+            if not ok: raise ValueError(f"invalid logit_bias={{{t}: {b!r}}}: a bias is a number in [-100, 100]")
+            bias[i, t] = b
+    return bias
 
 # %% ../nbs/05_sampling.ipynb #900f0198
 _LOOP_OPTIONS = {"cpu": {"xla_disable_hlo_passes": "while-loop-invariant-code-motion",   # XLA options, by backend
@@ -222,22 +273,23 @@ def _encode_prompts(lm: LM, prompts) -> list[list[int]]:
     return ids
 
 # %% ../nbs/05_sampling.ipynb #68b63ff8
-def _stop_ids(lm: LM, stop):
-    "Stop sequences as right-aligned token ids `[S, K]`, plus the strings to cut the text at."
+def stop_table(lm: LM, stop):
+    """Stop sequences (strings, token ids or token-id lists) as the right-aligned token ids `[MAX_STOPS, STOP_TOKENS]`
+    the loop compares, plus the strings among them, which the host compares as text."""
     if isinstance(stop, (str, int, np.integer)) and not isinstance(stop, bool): stop = [stop]   # one string or token id
     stop = [] if stop is None else list(stop)
-    if not stop: return np.full((1, 1), -1, np.int32), []   # None or an empty list: no stop sequences
-    seqs = []
-    for s in stop:
+    if len(stop) > MAX_STOPS: raise ValueError(f"invalid stop=<{len(stop)} sequences>: at most {MAX_STOPS}")
+    arr = np.full((MAX_STOPS, STOP_TOKENS), -1, np.int32)
+    for i, s in enumerate(stop):
         if isinstance(s, str):
             if not s: raise ValueError("stop sequences must not be empty")
             if lm.tokenizer is None: raise ValueError("string stop sequences need a tokenizer")
-            seqs.append(lm.tokenizer(s).input_ids)
-        elif isinstance(s, (int, np.integer)) and not isinstance(s, bool): seqs.append([int(s)])   # one token
-        else: seqs.append([int(t) for t in s])
-    K = max(map(len, seqs))
-    arr = np.full((len(seqs), K), -1, np.int32)
-    for i, s in enumerate(seqs): arr[i, K - len(s):] = s
+            ids = lm.tokenizer(s).input_ids
+            if len(ids) > STOP_TOKENS: continue   # found as text by the host alone
+        else:
+            ids = [int(s)] if isinstance(s, (int, np.integer)) and not isinstance(s, bool) else [int(t) for t in s]
+            if not 0 < len(ids) <= STOP_TOKENS: raise ValueError(f"invalid stop={ids!r}: 1 to {STOP_TOKENS} token ids")
+        arr[i, STOP_TOKENS - len(ids):] = ids
     return arr, [s for s in stop if isinstance(s, str)]
 
 # %% ../nbs/05_sampling.ipynb #adfcd27a
@@ -266,8 +318,8 @@ def _fit(lm: LM, ids: list, max_new, truncate) -> list:
 # %% ../nbs/05_sampling.ipynb #6867f32d
 def _bucket(n, least=16): return max(least, 1 << max(0, n - 1).bit_length())
 
-def _batch(lm: LM, ids: list, o: dict):
-    "Left-padded `tokens`, `mask` `[Bb, P]`, the `Options` and `limit` `[Bb]`, and the bucketed generation length `N`."
+def _batch(lm: LM, ids: list, o: dict, bias):
+    "Left-padded `tokens`, `mask` `[Bb, P]`, the `Options` (`bias` `[B, V]`), `limit` `[Bb]`, and the bucketed generation length `N`."
     B = len(ids)
     # a lone bf16 row gets a padding row on the CPU, whose matrix library multiplies bf16 natively only with 2 rows or more
     least = 2 if jax.default_backend() == "cpu" and lm.config.compute_dtype != "float32" else 1
@@ -280,7 +332,8 @@ def _batch(lm: LM, ids: list, o: dict):
     mask[B:, -1] = 1                                           # padding rows: one dummy token, finish at once
     pad = lambda a, v: np.concatenate([a, np.full(Bb - B, v, a.dtype)])
     opts = Options(pad(o["temperature"], 0), pad(np.maximum(o["top_k"], 0), 0), pad(o["top_p"], 1), pad(o["repetition_penalty"], 1),
-                   pad(o["seed"], 0))
+                   pad(o["presence_penalty"], 0), pad(o["frequency_penalty"], 0), pad(o["seed"], 0),
+                   np.concatenate([bias, np.zeros((Bb - B, bias.shape[1]), bias.dtype)]))
     if lm.mesh is not None:   # prompts split over dp × fsdp, like the cache
         tokens, mask = (jax.device_put(x, NamedSharding(lm.mesh, fit_spec(P_(BATCH), x.shape, lm.mesh))) for x in (tokens, mask))
     return tokens, mask, opts, pad(o["max_new_tokens"], 1), N
@@ -316,7 +369,14 @@ def _host(x) -> np.ndarray:
     from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
-def _finish(lm: LM, state, B, eos, stops, stop_strings, want_logprobs) -> Generation:
+def _tops(state, B, k: int) -> list | None:
+    "Per row, per generated token: `{token id: the model's log-probability}` of the `k` likeliest, then the token's own."
+    if k is None: return None
+    out, length, chosen, ids, lps = (_host(x) for x in (state.out, state.length, state.model_lp, state.top_ids, state.top_lp))
+    return [[dict(zip(ids[i, t, :k].tolist(), lps[i, t, :k].tolist())) | {int(out[i, t]): float(chosen[i, t])}
+             for t in range(length[i])] for i in range(B)]
+
+def _finish(lm: LM, state, B, eos, stops, stop_strings, want_logprobs, k=None) -> Generation:
     out, length, logp = (_host(x) for x in (state.out, state.length, state.logp))
     texts, tokens, reasons, lps = [], [], [], []
     for i in range(B):
@@ -325,7 +385,7 @@ def _finish(lm: LM, state, B, eos, stops, stop_strings, want_logprobs) -> Genera
         ended = hit or (bool(toks) and toks[-1] == eos) or _ends_with(toks, stops)
         texts.append(text); tokens.append(toks); lps.append(logp[i, :length[i]].tolist())
         reasons.append("stop" if ended else "length")
-    return Generation(texts, tokens, reasons, lps if want_logprobs else None)
+    return Generation(texts, tokens, reasons, lps if want_logprobs else None, _tops(state, B, k))
 
 # %% ../nbs/05_sampling.ipynb #b61621d8
 def _first_stop(lm: LM, toks, eos, stop_strings, start: int = 0):
@@ -367,15 +427,15 @@ def _held(text, stop_strings):
 # %% ../nbs/05_sampling.ipynb #4fea86a6
 class Stream:
     """What `generate(stream=True)` returns: an iterator of `(row, new text)` pieces, `chunk` decode steps per device
-    call. Once it is exhausted, `finish_reasons` and `tokens` hold each row's, as in `Generation`."""
-    def __init__(self, lm: LM, run, state, B, eos, stops, stop_strings, chunk):
-        self.finish_reasons = self.tokens = None
-        self._pieces = self._produce(lm, run, state, B, eos, stops, stop_strings, chunk)
+    call. Once it is exhausted, `finish_reasons`, `tokens` and `top_logprobs` hold each row's, as in `Generation`."""
+    def __init__(self, lm: LM, run, state, B, eos, stops, stop_strings, chunk, k=None):
+        self.finish_reasons = self.tokens = self.top_logprobs = None
+        self._pieces = self._produce(lm, run, state, B, eos, stops, stop_strings, chunk, k)
     def __iter__(self): return self
     def __next__(self): return next(self._pieces)
     def close(self): self._pieces.close()
 
-    def _produce(self, lm, run, state, B, eos, stops, stop_strings, chunk):
+    def _produce(self, lm, run, state, B, eos, stops, stop_strings, chunk, k):
         sent = [""] * B
         for state in _chunks(lm, run, state, B, eos, stop_strings, chunk):
             out, length, done = (_host(x) for x in (state.out, state.length, state.done))
@@ -386,33 +446,53 @@ class Stream:
                     text = text[:len(text) - _held(text, stop_strings)]
                 if len(text) > len(sent[i]) and text.startswith(sent[i]):
                     yield i, text[len(sent[i]):]; sent[i] = text
-        g = _finish(lm, state, B, eos, stops, stop_strings, False)
-        self.finish_reasons, self.tokens = g.finish_reasons, g.tokens
+        g = _finish(lm, state, B, eos, stops, stop_strings, False, k)
+        self.finish_reasons, self.tokens, self.top_logprobs = g.finish_reasons, g.tokens, g.top_logprobs
+
+# %% ../nbs/05_sampling.ipynb #54086376
+def _top_bucket(k, V: int) -> int:
+    "The number of likeliest tokens the loop computes for `top_logprobs=k` (None: nothing; 0: the chosen token's alone), or a ValueError."
+    if k is None: return 0
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= V:
+        raise ValueError(f"invalid top_logprobs={k!r}: an integer in [0, {V}]")
+    return min(V, next((b for b in (5, 20) if k <= b), _bucket(k)))
+
+def _start(lm: LM, fns, call, tokens, mask, B: int, N: int, k: int) -> State:
+    "The state once the prompts `tokens` `[Bb, P]` are in the cache: `B` real rows, room for `N` tokens, `k` likeliest."
+    (Bb, P), V, n = tokens.shape, lm.config.n_vocab, N if k else 0
+    cache, last, seen = call(fns.prefill, tokens, mask, fns.empty_cache(Bb, P + N))
+    z = jnp.zeros
+    return State(cache, last, z((Bb, N), jnp.int32), z((Bb, N), jnp.float32), seen, z((Bb, V), jnp.int32),
+                 jnp.asarray(np.arange(Bb) >= B), z((Bb,), jnp.int32), z((), jnp.int32),
+                 z((Bb, n), jnp.float32), z((Bb, n, k), jnp.int32), z((Bb, n, k), jnp.float32))
 
 # %% ../nbs/05_sampling.ipynb #f67ace38
 def generate(lm: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, top_p=None, repetition_penalty=None,
-             stop=None, seed=0, stream=False, logprobs=False, truncate=None, eos_token_id="auto", steps_per_call=8) -> Generation | Stream:
+             stop=None, seed=0, stream=False, logprobs=False, truncate=None, eos_token_id="auto", steps_per_call=8,
+             presence_penalty=None, frequency_penalty=None, logit_bias=None, top_logprobs=None) -> Generation | Stream:
     "`lm.generate(prompts, ...)`: continue each prompt on `lm`. The options are documented with `LM.generate`."
     ids = _encode_prompts(lm, prompts)
-    B = len(ids)
+    B, V = len(ids), lm.config.n_vocab
     o = _row_options(B, temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                     presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                      max_new_tokens=max_new_tokens, seed=seed)
+    bias, kb, k = _bias_rows(logit_bias, B, V), _top_bucket(top_logprobs, V), top_logprobs
     if stream and logprobs: raise ValueError("logprobs are not streamed: call generate without stream=True for them")
     ids = _fit(lm, ids, o["max_new_tokens"], truncate)
     if eos_token_id == "auto": eos_token_id = lm.eos_token_id
     eos = -1 if eos_token_id is None else int(eos_token_id)
-    stops, stop_strings = _stop_ids(lm, stop)
-    tokens, mask, opts, limit, N = _batch(lm, ids, o)
-    (Bb, P), fns, call = tokens.shape, _compiled(lm), _on_weights(lm)
-    cache, last, seen = call(fns.prefill, tokens, mask, fns.empty_cache(Bb, P + N))
-    state = State(cache, last, jnp.zeros((Bb, N), jnp.int32), jnp.zeros((Bb, N), jnp.float32), seen,
-                  jnp.asarray(np.arange(Bb) >= B), jnp.zeros((Bb,), jnp.int32), jnp.zeros((), jnp.int32))
+    stops, stop_strings = stop_table(lm, stop)
+    tokens, mask, opts, limit, N = _batch(lm, ids, o, bias)
+    if jax.process_count() == 1:   # on the devices once (the bias is [B, V]), not again at every device call
+        opts = jax.device_put(opts, None if lm.mesh is None else NamedSharding(lm.mesh, P_()))
+    fns, call = _compiled(lm), _on_weights(lm)
+    state = _start(lm, fns, call, tokens, mask, B, N, kb)
     run = partial(call, fns.decode, opts=opts, limit=limit, eos=eos, stops=stops)
-    if stream: return Stream(lm, run, state, B, eos, stops, stop_strings, steps_per_call)
+    if stream: return Stream(lm, run, state, B, eos, stops, stop_strings, steps_per_call, k)
     if stop_strings:   # the host compares the text every `steps_per_call` steps, and ends the rows that reach a stop string
         for state in _chunks(lm, run, state, B, eos, stop_strings, steps_per_call): pass
     else: state = run(state, until=N)
-    return _finish(lm, state, B, eos, stops, stop_strings, logprobs)
+    return _finish(lm, state, B, eos, stops, stop_strings, logprobs, k)
 
 # %% ../nbs/05_sampling.ipynb #16d34bae
 _STOP_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}

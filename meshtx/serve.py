@@ -6,22 +6,24 @@ Docs: https://meshtx.github.io/meshtx/serve.html.md"""
 
 # %% ../nbs/10_serve.ipynb #0a7d958a
 from __future__ import annotations
-import asyncio, collections, contextlib, json, math, re, secrets, threading, time, uuid
+import asyncio, collections, concurrent.futures, contextlib, json, math, re, secrets, threading, time, uuid
 from dataclasses import dataclass, field
 from fastcore.basics import patch
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from .lm import LM
-from .sampling import cut_at_stop, token_text
+from .sampling import cut_at_stop, token_text, model_logprobs
+import numpy as np
+import jax, jax.numpy as jnp
 
 # %% auto #0
-__all__ = ['RequestError', 'Job', 'parse_completions', 'default_complete_tokens', 'parse_complete', 'Batcher', 'make_app',
-           'serve']
+__all__ = ['MAX_STOP_CHARS', 'MAX_LOGPROBS', 'MAX_REQUEST_BYTES', 'RequestError', 'Job', 'parse_completions',
+           'default_complete_tokens', 'parse_complete', 'chat_prompt', 'parse_chat', 'Batcher', 'make_app', 'serve']
 
 # %% ../nbs/10_serve.ipynb #47118d21
 class RequestError(Exception):
@@ -83,11 +85,15 @@ def _prompts(v) -> list:
     raise RequestError("invalid prompt: must be a string, a list of strings, a list of token ids "
                        "or a list of token-id lists", "prompt")
 
+MAX_STOP_CHARS = 256   # characters of one stop string (a few dozen tokens: `generate` takes stops of at most 64)
+
 def _stop(v) -> tuple | None:
     if v is None or v == []: return None
     if isinstance(v, str): v = [v]
     if not isinstance(v, list) or len(v) > 16 or not all(isinstance(s, str) and s for s in v):
         raise RequestError("invalid stop: must be a non-empty string or a list of at most 16 of them", "stop")
+    if (n := max(map(len, v))) > MAX_STOP_CHARS:
+        raise RequestError(f"invalid stop: a stop string of {n} characters; at most {MAX_STOP_CHARS}", "stop")
     return tuple(_text(s, "stop") for s in v)
 
 # %% ../nbs/10_serve.ipynb #d101cb4d
@@ -105,7 +111,16 @@ class Job:
     truncate: bool = False        # keep the newest tokens of an over-long prompt, instead of refusing it
     stream: bool = False
     include_usage: bool = False   # a streamed answer ends with a `usage` chunk
-    ids: list | None = field(default=None, repr=False)    # token ids, filled in by the worker
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    logprobs: int | None = None   # log-probabilities of each token and of its `logprobs` likeliest alternatives
+    echo: bool = False            # the answer starts with the prompt (and its tokens' log-probabilities)
+    n: int = 1                    # choices per prompt
+    best_of: int = 1              # completions sampled per prompt; the `n` likeliest (per token) are the choices
+    special_tokens: bool = True   # tokenize with the tokenizer's special tokens (a chat template writes its own)
+    ids: list | None = field(default=None, repr=False)    # token ids per row, filled in by `_encode`
+    scores: list | None = field(default=None, repr=False) # each prompt's tokens scored (echo with logprobs)
     cancelled: bool = field(default=False, repr=False)    # the client went away
     _loop: object = field(default=None, repr=False)
     _done: object = field(default=None, repr=False)       # an asyncio future (plain jobs)
@@ -114,16 +129,35 @@ class Job:
     def __post_init__(self):
         if self.top_p == 0: self.temperature, self.top_p = 0.0, 1.0   # the limit of top-p → 0 is greedy
 
+    @property
+    def size(self) -> int: return len(self.prompts) * self.best_of   # rows: each prompt `best_of` times
+    def prompt(self, row: int): return self.prompts[row // self.best_of]
+
 # %% ../nbs/10_serve.ipynb #2aab84d0
-def _sampling(body: dict, n_ctx: int, max_tokens: int, lenient=False) -> dict:
-    "The options every endpoint shares, read from `body` under OpenAI's names."
+def _logit_bias(v) -> dict | None:
+    "OpenAI's `logit_bias`, `{\"token id\": bias}` (JSON's keys are strings), as `{int: float}`; the ids are checked by `generate`."
+    if v is None or v == {}: return None
+    if not isinstance(v, dict): raise RequestError("invalid logit_bias: must be an object mapping token ids to numbers", "logit_bias")
+    out = {}
+    for k, b in v.items():
+        if not re.fullmatch(r"\d{1,9}", str(k)): raise RequestError(f"invalid logit_bias: {k!r} is not a token id", "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not (math.isfinite(b) and -100 <= b <= 100):
+            raise RequestError(f"invalid logit_bias: the bias of token {k} is {b!r}; it must be a number in [-100, 100]", "logit_bias")
+        out[int(k)] = float(b)
+    return out
+
+def _sampling(body: dict, n_ctx: int, max_tokens: int, lenient=False, least=1) -> dict:
+    "The options every endpoint shares, read from `body` under OpenAI's names (`least`: the fewest `max_tokens`)."
     seed = _integer(body, "seed", None, lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)")
     return dict(
-        max_tokens=_integer(body, "max_tokens", max_tokens, lambda v: 1 <= v < n_ctx, f"an integer in [1, {n_ctx})", lenient),
+        max_tokens=_integer(body, "max_tokens", max_tokens, lambda v: least <= v < n_ctx, f"an integer in [{least}, {n_ctx})", lenient),
         temperature=_number(body, "temperature", 1.0, lambda v: v >= 0, "a number >= 0", lenient),
         top_p=_number(body, "top_p", 1.0, lambda v: 0 <= v <= 1, "a number in [0, 1]", lenient),
         top_k=max(0, _integer(body, "top_k", 0, lambda v: v >= -1, "an integer >= 0 (0 or -1: off)", lenient)),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, lambda v: v > 0, "a number > 0", lenient),
+        presence_penalty=_number(body, "presence_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]", lenient),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2]", lenient),
+        logit_bias=_logit_bias(body.get("logit_bias")),
         seed=secrets.randbits(32) if seed is None else seed)
 
 # %% ../nbs/10_serve.ipynb #4043157f
@@ -142,22 +176,29 @@ def _include_usage(v, stream: bool) -> bool:
     return bool(u)
 
 # %% ../nbs/10_serve.ipynb #2c9c4880
+MAX_LOGPROBS = 20   # the most alternatives per token (vLLM's default limit; OpenAI's completions allow 5)
+
+def _choices(body: dict, stream: bool) -> tuple[int, int]:
+    "`n` (choices per prompt) and `best_of` (completions sampled per prompt, `>= n`; streamed: `== n`)."
+    n = _integer(body, "n", 1, lambda v: 1 <= v <= 64, "an integer in [1, 64]")
+    best_of = _integer(body, "best_of", n, lambda v: n <= v <= 64, f"an integer in [n={n}, 64]")
+    if stream and best_of != n: raise RequestError("best_of cannot be streamed: the best ones are known only at the end", "best_of")
+    return n, best_of
+
 def parse_completions(body: dict, n_ctx: int) -> tuple[Job, bool]:
     "Validate an OpenAI `/v1/completions` body: the `Job` to run, and whether to echo the prompt."
     if "prompt" not in body: raise RequestError("prompt is required", "prompt")
     prompts = _prompts(body["prompt"])
-    for name in ("n", "best_of"):
-        if body.get(name) not in (None, 1): raise RequestError(f"{name}={body[name]!r} is not supported: only 1", name)
-    for name in ("logprobs", "suffix"):
-        if body.get(name) is not None: raise RequestError(f"{name} is not supported", name)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0): raise RequestError(f"{name} is not supported (use repetition_penalty)", name)
-    if body.get("logit_bias"): raise RequestError("logit_bias is not supported", "logit_bias")
+    if body.get("suffix") is not None: raise RequestError("suffix is not supported: this model only continues text", "suffix")
     _refuse_other_names(body, {"max_new_tokens": "max_tokens", "temp": "temperature"})
-    stream = _flag(body, "stream")
-    job = Job(prompts, **_sampling(body, n_ctx, 16), stop=_stop(body.get("stop")), stream=stream,
-              include_usage=_include_usage(body.get("stream_options"), stream))
-    return job, _flag(body, "echo")
+    stream, echo = _flag(body, "stream"), _flag(body, "echo")
+    logprobs = _integer(body, "logprobs", None, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
+    if stream and logprobs is not None: raise RequestError("logprobs are not streamed: send stream=false for them", "logprobs")
+    n, best_of = _choices(body, stream)
+    job = Job(prompts, **_sampling(body, n_ctx, 16, least=0), stop=_stop(body.get("stop")), stream=stream,
+              include_usage=_include_usage(body.get("stream_options"), stream), logprobs=logprobs, echo=echo, n=n, best_of=best_of)
+    if job.max_tokens == 0 and stream: raise RequestError("max_tokens=0 only scores the prompt: send stream=false", "max_tokens")
+    return job, echo
 
 # %% ../nbs/10_serve.ipynb #cd7a3196
 def default_complete_tokens(n_ctx: int) -> int: return max(1, min(256, n_ctx // 4))
@@ -175,6 +216,57 @@ def parse_complete(body: dict, n_ctx: int) -> Job:
         raise RequestError(e.message.replace("temperature", temp), temp) from None
     return Job([_text(body["context"], "context")], **opts, stop=_stop(body.get("stop")), truncate=True)
 
+# %% ../nbs/10_serve.ipynb #ae563185
+def _messages(v) -> list[dict]:
+    "OpenAI's `messages`: a non-empty list of `{role, content}` turns, `content` a string or a list of text parts."
+    if not isinstance(v, list) or not v: raise RequestError("messages is required: a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(v):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise RequestError(f"invalid messages[{i}]: must be an object with a role and a content", "messages")
+        c = m.get("content")
+        if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c):
+            c = "".join(p["text"] for p in c)
+        if not isinstance(c, str): raise RequestError(f"invalid messages[{i}].content: must be text (a string or text parts)", "messages")
+        out.append({"role": m["role"], "content": _text(c, "messages")})
+    return out
+
+# %% ../nbs/10_serve.ipynb #433bb0d1
+def chat_prompt(tokenizer, messages: list[dict], template: str | None = None) -> str:
+    "`messages` as the text the model continues, through `template` or the tokenizer's own chat template; a 400 if neither."
+    own = getattr(tokenizer, "chat_template", None)
+    if template is None and not own:
+        raise RequestError("this model's tokenizer has no chat template, so /v1/chat/completions cannot turn messages into "
+                           "text: start the server with --chat-template FILE (a Jinja template), or use /v1/completions", "messages")
+    try:
+        if hasattr(tokenizer, "apply_chat_template"):
+            return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+        from jinja2.sandbox import ImmutableSandboxedEnvironment   # a tokenizer of meshtx's own (bytes): the template alone
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                                eos_token=getattr(tokenizer, "eos_token", ""), bos_token="")
+    except Exception as e:   # a template that raises (e.g. "roles must alternate") or does not parse
+        raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}", "messages") from None
+
+# %% ../nbs/10_serve.ipynb #5530a040
+def parse_chat(body: dict, n_ctx: int, render) -> Job:
+    "Validate an OpenAI `/v1/chat/completions` body into a `Job`; `render(messages)` is the conversation as text."
+    messages = _messages(body.get("messages"))
+    for name in ("tools", "functions", "tool_choice", "function_call"):
+        if body.get(name): raise RequestError(f"{name} is not supported: this server only writes text", name)
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise RequestError("response_format is not supported: only {\"type\": \"text\"}", "response_format")
+    most = body.get("max_completion_tokens", body.get("max_tokens"))
+    stream = _flag(body, "stream")
+    top = _integer(body, "top_logprobs", None, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
+    if top is not None and not _flag(body, "logprobs"): raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+    logprobs = (top or 0) if _flag(body, "logprobs") else None
+    if stream and logprobs is not None: raise RequestError("logprobs are not streamed: send stream=false for them", "logprobs")
+    n, _ = _choices({k: v for k, v in body.items() if k != "best_of"}, stream)
+    opts = _sampling({**body, "max_tokens": most}, n_ctx, None)   # None: the room the context leaves
+    return Job([render(messages)], **opts, stop=_stop(body.get("stop")), stream=stream, n=n, best_of=n, logprobs=logprobs,
+               include_usage=_include_usage(body.get("stream_options"), stream), special_tokens=False)
+
 # %% ../nbs/10_serve.ipynb #3b32045c
 def _param_of(message: str) -> str | None:
     "The API field a `generate` error message is about."
@@ -190,6 +282,13 @@ def _as_request_error(e: Exception) -> RequestError:
     return e if isinstance(e, RequestError) else RequestError(str(e), _param_of(str(e)))
 
 # %% ../nbs/10_serve.ipynb #c9de5d46
+def _compiled_programs(lm) -> int | None:
+    "How many programs `generate` has compiled for `lm` (a prefill and a decode per shape; None: JAX does not say)."
+    kept = getattr(lm, "compiled", {}).get("meshtx.sampling")
+    if kept is None: return 0
+    try: return kept[1].prefill._cache_size() + kept[1].decode._cache_size()
+    except AttributeError: return None
+
 class Batcher:
     "Runs `Job`s on `lm` from one worker thread, batching up to `max_batch` prompts that arrive within `batch_wait_ms`."
     def __init__(self, lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, steps_per_call=8):
@@ -199,16 +298,19 @@ class Batcher:
         self._queue, self._queued = collections.deque(), 0
         self._cv, self._thread, self._closed, self._abort, self.busy = threading.Condition(), None, False, False, 0
         self.calls, self.batch_sizes = 0, collections.Counter()
+        self._tokenizing, self._longest = concurrent.futures.ThreadPoolExecutor(1, "meshtx-serve-tokenize"), None
+        self._pieces = {}   # token id: its text alone
 
     def stats(self) -> dict:
         return {"queued": self._queued, "max_queue": self.max_queue, "max_batch": self.max_batch, "busy": bool(self.busy),
-                "generate_calls": self.calls, "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())}}
+                "generate_calls": self.calls, "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+                "compiled": _compiled_programs(self.lm)}
 
 # %% ../nbs/10_serve.ipynb #cb6e8b97
 @patch
 def submit(self: Batcher, job: Job):
     "Queue `job`, or raise a 503 `RequestError` if the queue is full (or the server is stopping)."
-    n = len(job.prompts)
+    n = job.size
     if n > self.max_queue:
         raise RequestError(f"prompt has {n} entries; this server queues at most {self.max_queue}", "prompt")
     with self._cv:
@@ -228,7 +330,7 @@ def cancel(self: Batcher, job: Job):
     with self._cv:
         for k, j in enumerate(self._queue):
             if j is job:
-                del self._queue[k]; self._queued -= len(j.prompts)
+                del self._queue[k]; self._queued -= j.size
                 return
 
 # %% ../nbs/10_serve.ipynb #f6d87e64
@@ -236,8 +338,8 @@ def _next_batch(queue, max_batch: int) -> tuple[list[Job], collections.deque]:
     "The plain jobs of `queue` to run together, in order, at most `max_batch` prompts (at least one job); and the rest."
     batch, keep, rows = [], collections.deque(), 0
     for job in queue:
-        if not job.stream and (not batch or rows + len(job.prompts) <= max_batch):
-            batch.append(job); rows += len(job.prompts)
+        if not job.stream and (not batch or rows + job.size <= max_batch):
+            batch.append(job); rows += job.size
         else: keep.append(job)
     return batch, keep
 
@@ -249,15 +351,15 @@ def _take(self: Batcher) -> list[Job] | None:
         while not self._queue and not self._closed: self._cv.wait()
         if self._closed: return None
         if self._queue[0].stream:
-            job = self._queue.popleft(); self._queued -= len(job.prompts)
+            job = self._queue.popleft(); self._queued -= job.size
             return [job]
         deadline = time.monotonic() + self.batch_wait
-        while not self._closed and sum(len(j.prompts) for j in self._queue if not j.stream) < self.max_batch:
+        while not self._closed and sum(j.size for j in self._queue if not j.stream) < self.max_batch:
             left = deadline - time.monotonic()
             if left <= 0: break
             self._cv.wait(left)
         batch, self._queue = _next_batch(self._queue, self.max_batch)
-        self._queued -= sum(len(j.prompts) for j in batch)
+        self._queued -= sum(j.size for j in batch)
         return batch
 
 # %% ../nbs/10_serve.ipynb #68852ae8
@@ -277,25 +379,47 @@ def _fail(self: Batcher, job: Job, error: RequestError):
     else: self._send(job, _resolve, job._done, None, error)
 
 # %% ../nbs/10_serve.ipynb #369a79db
+def _longest_token(tok) -> int | None:
+    """The most characters one token stands for (128 in GPT-2's vocabulary, 1 for bytes), so that a text's length
+    bounds its tokens before it is tokenized: a text of more than `n_ctx` times this cannot fit. None: unknown."""
+    if getattr(tok, "eos_token_id", None) == 256 and len(tok) == 257: return 1   # meshtx's byte tokenizer
+    if not hasattr(tok, "convert_ids_to_tokens"): return None
+    return max(map(len, filter(None, tok.convert_ids_to_tokens(list(range(len(tok))))))) or None
+
+@patch
+def _tokens(self: Batcher, job: Job, i: int, p) -> list:
+    "Prompt `i` of `job` as token ids; text is first bounded in characters, so a huge one is refused (or cut) untokenized."
+    tok, n_ctx, V = self.lm.tokenizer, self.lm.config.n_ctx, self.lm.config.n_vocab
+    if not isinstance(p, str):
+        if min(p) < 0 or max(p) >= V: raise RequestError(f"prompt {i} has token ids outside [0, {V})", "prompt")
+        return list(p)
+    if tok is None: raise RequestError("this model has no tokenizer: send token ids", "prompt")
+    if self._longest is None: self._longest = [_longest_token(tok)]
+    most = self._longest[0] and n_ctx * self._longest[0]   # characters that n_ctx tokens can hold, at most
+    if most and len(p) > most:
+        if not job.truncate: raise RequestError(f"prompt {i} has {len(p)} characters: more than the model's context of "
+                                                f"n_ctx={n_ctx} tokens can hold", "prompt")
+        p = p[len(p) - most:]   # only the newest tokens are kept anyway
+    if not p: return []
+    return tok(p).input_ids if job.special_tokens else tok.encode(p, add_special_tokens=False)
+
 @patch
 def _encode(self: Batcher, job: Job):
-    "Tokenize `job`'s prompts into `job.ids`, checking each fits the context with `max_tokens` new tokens."
-    tok, n_ctx, V = self.lm.tokenizer, self.lm.config.n_ctx, self.lm.config.n_vocab
-    room, ids = n_ctx - job.max_tokens, []
-    if job.stop and tok is None: raise RequestError("this model has no tokenizer, so it cannot match stop strings", "stop")
-    for i, p in enumerate(job.prompts):
-        if isinstance(p, str):
-            if tok is None: raise RequestError("this model has no tokenizer: send token ids", "prompt")
-            p = tok(p).input_ids if p else []
-        elif min(p) < 0 or max(p) >= V: raise RequestError(f"prompt {i} has token ids outside [0, {V})", "prompt")
-        p = p or [self.lm.document_start]   # an empty prompt starts a new document, as OpenAI's default does
+    """Tokenize `job`'s prompts into `job.ids` (one per row: each prompt `best_of` times), checking each fits the
+    context with `max_tokens` new tokens (None: as many as the longest prompt leaves room for)."""
+    n_ctx = self.lm.config.n_ctx
+    if job.stop and self.lm.tokenizer is None: raise RequestError("this model has no tokenizer, so it cannot match stop strings", "stop")
+    ids = [self._tokens(job, i, p) or [self.lm.document_start]   # an empty prompt starts a new document, as OpenAI's default does
+           for i, p in enumerate(job.prompts)]
+    if job.max_tokens is None: job.max_tokens = max(1, n_ctx - max(map(len, ids)))
+    room = n_ctx - job.max_tokens
+    for i, p in enumerate(ids):
         if len(p) > room:
             if not job.truncate:
                 raise RequestError(f"prompt {i} has {len(p)} tokens; with max_tokens={job.max_tokens} that exceeds "
                                    f"the model's context of n_ctx={n_ctx} tokens", "prompt")
-            p = p[len(p) - room:]
-        ids.append(list(p))
-    job.ids = ids
+            ids[i] = p[len(p) - room:]
+    job.ids = [list(ids[r // job.best_of]) for r in range(job.size)]
 
 @patch
 def _prompt_text(self: Batcher, p):
@@ -305,10 +429,13 @@ def _prompt_text(self: Batcher, p):
 # %% ../nbs/10_serve.ipynb #0c3ce58c
 @patch
 def _options(self: Batcher, rows: list) -> dict:
-    "`generate`'s per-row options for `rows`, `(job, prompt index)` pairs: prompt `i` of a job samples with its seed + i."
+    "`generate`'s per-row options for `rows`, `(job, row)` pairs: row `i` of a job samples with its seed + i."
+    wants = [j.logprobs or 0 for j, _ in rows if j.logprobs is not None or j.best_of > j.n]   # the model's log-probabilities
     return dict(max_new_tokens=[j.max_tokens for j, _ in rows], temperature=[j.temperature for j, _ in rows],
                 top_p=[j.top_p for j, _ in rows], top_k=[j.top_k for j, _ in rows],
                 repetition_penalty=[j.repetition_penalty for j, _ in rows], seed=[(j.seed + i) % 2**32 for j, i in rows],
+                presence_penalty=[j.presence_penalty for j, _ in rows], frequency_penalty=[j.frequency_penalty for j, _ in rows],
+                logit_bias=[j.logit_bias for j, _ in rows], top_logprobs=max(wants) if wants else None,
                 stop=list(rows[0][0].stop) if rows[0][0].stop else None)
 
 # %% ../nbs/10_serve.ipynb #a28d2163
@@ -342,6 +469,29 @@ def _open(self: Batcher, rows: list, stream=False):
     self.calls += 1; self.batch_sizes[len(rows)] += 1
     return pieces
 
+# %% ../nbs/10_serve.ipynb #a8c06880
+def _top_n(top: dict, n: int, chosen: int) -> dict:
+    "The `n` likeliest of `top` (`{token: logprob}`), and `chosen`."
+    keep = dict(sorted(top.items(), key=lambda kv: -kv[1])[:n])
+    return keep | ({chosen: top[chosen]} if chosen in top else {})
+
+@patch
+def _entries(self: Batcher, toks, lps, tops, n: int, start=0) -> list[dict]:
+    "Per token: its text, log-probability, `n` likeliest alternatives (`{text: logprob}`) and character offset from `start`."
+    out = []
+    for t, lp, top in zip(toks, lps, tops):
+        alts = None if top is None else {self._piece(a): b for a, b in _top_n(top, n, t).items()}
+        out.append(dict(token=self._piece(t), logprob=lp, top=alts, offset=start))
+        start += len(out[-1]["token"])
+    return out
+
+@patch
+def _piece(self: Batcher, t: int) -> str:
+    "The text of token `t` alone (kept: the same few tokens come back in every answer's alternatives)."
+    if (s := self._pieces.get(t)) is None:
+        s = self._pieces[t] = self.lm.tokenizer.decode([t]) if self.lm.tokenizer is not None else str(t)
+    return s
+
 # %% ../nbs/10_serve.ipynb #5c89e057
 @patch
 def _drain(self: Batcher, rows: list, pieces, stream=False, on_piece=None) -> list[dict] | None:
@@ -350,10 +500,69 @@ def _drain(self: Batcher, rows: list, pieces, stream=False, on_piece=None) -> li
     for k, piece in pieces:   # between chunks: is anybody still waiting?
         if self._stopping(jobs, stream): pieces.close(); return None
         if on_piece: on_piece(k, piece)
-    eos, stop = self.lm.eos_token_id, list(rows[0][0].stop or ())   # the text as `generate` gives it (`_finish`)
-    return [dict(text=cut_at_stop(token_text(self.lm, toks, eos), stop)[0], finish_reason=why, completion_tokens=len(toks),
-                 prompt_tokens=len(j.ids[i]), prompt_text=self._prompt_text(j.prompts[i]))
-            for (j, i), why, toks in zip(rows, pieces.finish_reasons, pieces.tokens)]
+    eos, stop, out = self.lm.eos_token_id, list(rows[0][0].stop or ()), []   # the text as `generate` gives it (`_finish`)
+    tops = getattr(pieces, "top_logprobs", None) or [None] * len(rows)
+    for (j, i), why, toks, top in zip(rows, pieces.finish_reasons, pieces.tokens, tops):
+        r = dict(text=cut_at_stop(token_text(self.lm, toks, eos), stop)[0], finish_reason=why, completion_tokens=len(toks),
+                 prompt_tokens=len(j.ids[i]), prompt_text=self._prompt_text(j.prompt(i)))
+        out.append(r | (self._scored(j, i, toks, top, r) if top is not None else {}))
+    return out
+
+# %% ../nbs/10_serve.ipynb #a78ab064
+_prompt_scores = jax.jit(lambda logits, tokens, k: model_logprobs(logits[0, :-1], tokens[0, 1:], k), static_argnums=2)
+_TOP_BUCKETS = (1, 5, MAX_LOGPROBS)   # alternatives computed: one of a few sizes, each compiled once
+
+@patch
+def _prompt_logprobs(self: Batcher, ids: list, k: int) -> tuple[list, list]:
+    "Each token of `ids` given those before it: its log-probability and `{token: logprob}` of the `k` likeliest (None first)."
+    T, n_ctx = len(ids), self.lm.config.n_ctx
+    if T < 2: return [None], [None]
+    tokens = np.zeros((1, min(max(16, 1 << (T - 1).bit_length()), n_ctx)), np.int32)   # a bucketed length
+    tokens[0, :T] = ids
+    kb = next(b for b in _TOP_BUCKETS if b >= k)
+    chosen, top_ids, top_lp = jax.device_get(_prompt_scores(self.lm.logits(tokens), jnp.asarray(tokens), kb))
+    tops = [dict(zip(top_ids[t].tolist(), top_lp[t].tolist())) | {ids[t + 1]: float(chosen[t])} for t in range(T - 1)]
+    return [None] + chosen[:T - 1].tolist(), [None] + tops
+
+# %% ../nbs/10_serve.ipynb #6de57233
+@patch
+def _echoed(self: Batcher, job: Job, row: int) -> list[dict]:
+    "The entries of row `row`'s prompt (scored as the job was prepared)."
+    lps, tops = job.scores[row // job.best_of]
+    return self._entries(job.ids[row], lps, tops, job.logprobs)
+
+@patch
+def _scored(self: Batcher, job: Job, row: int, toks, tops, r: dict) -> dict:
+    "A row's `logprobs` entries (prompt and completion) and `mean_logprob`, from `generate`'s `top_logprobs`."
+    lps = [top[t] for t, top in zip(toks, tops)]
+    out = dict(mean_logprob=sum(lps) / len(lps) if lps else 0.0)
+    if job.logprobs is None: return out
+    keep = [k for k, t in enumerate(toks) if t != self.lm.eos_token_id]   # the end of text is not text
+    start = len(r["prompt_text"]) if job.echo else 0
+    gen = self._entries([toks[k] for k in keep], [lps[k] for k in keep], [tops[k] for k in keep], job.logprobs, start)
+    gen = [e for e in gen if e["offset"] - start < len(r["text"])]   # nothing past a stop string
+    return out | dict(logprobs=(self._echoed(job, row) if job.echo else []) + gen)
+
+@patch
+def _prompt_only(self: Batcher, job: Job, row: int) -> dict:
+    "The result of a row with `max_tokens=0`: no completion; with `echo` and `logprobs`, the prompt scored."
+    r = dict(text="", finish_reason="length", completion_tokens=0, prompt_tokens=len(job.ids[row]),
+             prompt_text=self._prompt_text(job.prompt(row)), mean_logprob=0.0)
+    if job.logprobs is not None: r["logprobs"] = self._echoed(job, row) if job.echo else []
+    return r
+
+# %% ../nbs/10_serve.ipynb #2021bf57
+def _best(job: Job, results: list[dict]) -> list[dict]:
+    """The choices of `job` from its rows' `results`: of each prompt's `best_of` samples the `n` likeliest per token
+    (all of them, in order, when `best_of == n`). Each prompt's tokens are counted once, and every sample's tokens."""
+    out = []
+    for p in range(len(job.prompts)):
+        rows = results[p * job.best_of:(p + 1) * job.best_of]
+        keep = [dict(r) for r in (rows if job.best_of == job.n else sorted(rows, key=lambda r: -r["mean_logprob"])[:job.n])]
+        for r in keep[1:]: r["prompt_tokens"] = 0
+        keep[0]["completion_tokens"] += sum(r["completion_tokens"] for r in rows) - sum(r["completion_tokens"] for r in keep)
+        out += keep
+    return out
 
 # %% ../nbs/10_serve.ipynb #9b649ee7
 @patch
@@ -361,9 +570,14 @@ def _run_batch(self: Batcher, jobs: list[Job]):
     ready = []
     for job in jobs:
         if job.cancelled: continue
-        try: self._encode(job); ready.append(job)
-        except RequestError as e: self._fail(job, e)
-        except Exception as e: self._fail(job, RequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}", "prompt"))
+        try:
+            if job.ids is None: self._encode(job)   # (`complete` has: this is for a job queued by hand)
+        except RequestError as e: self._fail(job, e); continue
+        except Exception as e: self._fail(job, RequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}", "prompt")); continue
+        if job.echo and job.logprobs is not None:   # the prompts scored, once each
+            job.scores = [self._prompt_logprobs(job.ids[r], job.logprobs) for r in range(0, job.size, job.best_of)]
+        if job.max_tokens == 0: self._send(job, _resolve, job._done, _best(job, [self._prompt_only(job, r) for r in range(job.size)]))
+        else: ready.append(job)
     for group in _groups(ready, self.lm.config.n_ctx): self._generate(group)
 
 # %% ../nbs/10_serve.ipynb #1b59ab48
@@ -383,14 +597,15 @@ def _generate(self: Batcher, jobs: list[Job]):
         results += got
     k = 0
     for job in jobs:
-        self._send(job, _resolve, job._done, results[k:k + len(job.ids)]); k += len(job.ids)
+        self._send(job, _resolve, job._done, _best(job, results[k:k + len(job.ids)])); k += len(job.ids)
 
 # %% ../nbs/10_serve.ipynb #cfa14624
 @patch
 def _run_stream(self: Batcher, job: Job):
     if job.cancelled: return
     push = lambda event: self._send(job, job._events.put_nowait, event)
-    try: self._encode(job)
+    try:
+        if job.ids is None: self._encode(job)
     except (RequestError, ValueError) as e: return push(("error", _as_request_error(e)))
     rows, results = [(job, i) for i in range(len(job.ids))], []
     for s in range(0, len(rows), self.max_batch):   # more prompts than `max_batch`: `max_batch` at a time, in turn
@@ -398,11 +613,11 @@ def _run_stream(self: Batcher, job: Job):
         part = rows[s:s + self.max_batch]
         try: pieces = self._open(part, stream=True)
         except ValueError as e: return push(("error", _as_request_error(e)))
-        if s == 0: push(("start", [self._prompt_text(p) for p in job.prompts]))
+        if s == 0: push(("start", [self._prompt_text(job.prompt(r)) for r in range(job.size)]))
         got = self._drain(part, pieces, stream=True, on_piece=lambda k, piece: push(("text", s + k, piece)))
         if got is None: return self._stopped([job])
         results += got
-    push(("done", results))
+    push(("done", _best(job, results)))
 
 # %% ../nbs/10_serve.ipynb #26e647a1
 @patch
@@ -439,12 +654,21 @@ def close(self: Batcher, timeout=30.0, abort=False):
     for job in pending: self._fail(job, _shutting_down())
     if self._thread is not None: self._thread.join(timeout)
 
+# %% ../nbs/10_serve.ipynb #bcf23168
+@patch
+async def _prepare(self: Batcher, job: Job):
+    "Tokenize `job` (`_encode`) on the tokenizing thread, not the decoding one; what the tokenizer refuses is a 400."
+    try: await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._encode, job)
+    except RequestError: raise
+    except Exception as e: raise RequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}", "prompt") from None
+
 # %% ../nbs/10_serve.ipynb #56ae8fd9
 @patch
 async def complete(self: Batcher, job: Job) -> list[dict]:
-    "Run a plain job; one result dict per prompt (`text`, `finish_reason`, token counts, `prompt_text`)."
+    "Run a plain job; one result dict per choice (`text`, `finish_reason`, token counts, `prompt_text`, `logprobs`)."
     job._loop = asyncio.get_running_loop()
     job._done = job._loop.create_future()
+    await self._prepare(job)
     self.submit(job)
     try: return await job._done
     finally: self.cancel(job)   # cancelled (a client that went away): skipped if queued, stopped if running
@@ -454,6 +678,7 @@ async def complete(self: Batcher, job: Job) -> list[dict]:
 async def stream(self: Batcher, job: Job):
     "Run a streamed job: yields `('start', prompt_texts)`, `('text', index, piece)`..., `('done', results)`."
     job._loop, job._events = asyncio.get_running_loop(), asyncio.Queue()
+    await self._prepare(job)
     self.submit(job)
     try:
         while True:
@@ -464,12 +689,25 @@ async def stream(self: Batcher, job: Job):
     finally: self.cancel(job)   # a client that disconnects stops its generation at the next chunk
 
 # %% ../nbs/10_serve.ipynb #5c4399e9
-async def _read_json(request: Request) -> dict:
+MAX_REQUEST_BYTES = 8 * 2**20   # a body's most bytes, by default: ample for n_ctx-token prompts, far below a 50 MB one
+
+def _too_large(limit: int) -> RequestError:
+    return RequestError(f"the request body is larger than this server's limit of {limit:,} bytes (--max-request-mb)", status=413)
+
+async def _read_json(request: Request, limit: int = MAX_REQUEST_BYTES) -> dict:
+    "The JSON object of `request`'s body, read up to `limit` bytes (a 413 beyond, before reading it all)."
     ct = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ct != "application/json":
         raise RequestError(f"unsupported Content-Type {ct or 'none'!r}: send the JSON body with the header "
                            "'Content-Type: application/json'", status=415)
-    try: body = json.loads(await request.body())
+    if (n := request.headers.get("content-length", "")).isdigit() and int(n) > limit: raise _too_large(limit)
+    raw = bytearray()
+    try:
+        async for part in request.stream():   # a body sent without a length (chunked) is counted as it comes
+            raw += part
+            if len(raw) > limit: raise _too_large(limit)
+    except ClientDisconnect: raise RequestError("the client closed the connection", status=499, type="client_closed") from None
+    try: body = json.loads(raw)
     except ValueError as e: raise RequestError(f"malformed JSON body: {e}") from None
     except RecursionError: raise RequestError("malformed JSON body: nested too deeply") from None
     if not isinstance(body, dict): raise RequestError("the JSON body must be an object")
@@ -498,23 +736,46 @@ def _usage(results: list[dict]) -> dict:
 
 def _answer(meta: dict, results: list[dict], echo: bool) -> dict:
     "The body of a plain `/v1/completions` answer: `meta` (id, model, ...), a choice per result and the token counts."
-    choices = [{"text": (r["prompt_text"] if echo else "") + r["text"], "index": i, "logprobs": None,
+    choices = [{"text": (r["prompt_text"] if echo else "") + r["text"], "index": i, "logprobs": _completion_logprobs(r.get("logprobs")),
+                "finish_reason": r["finish_reason"]} for i, r in enumerate(results)]
+    return {**meta, "choices": choices, "usage": _usage(results)}
+
+def _completion_logprobs(entries) -> dict | None:
+    "OpenAI's `logprobs` of a completion choice, from a row's entries (None: not asked for)."
+    if entries is None: return None
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [e["top"] for e in entries], "text_offset": [e["offset"] for e in entries]}
+
+# %% ../nbs/10_serve.ipynb #7cec76b7
+def _chat_logprobs(entries, n: int) -> dict | None:
+    if entries is None: return None
+    item = lambda t, lp: {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
+    return {"content": [item(e["token"], e["logprob"]) | {"top_logprobs": [item(t, lp) for t, lp in
+                        sorted(e["top"].items(), key=lambda kv: -kv[1])[:n]]} for e in entries]}
+
+def _chat_answer(meta: dict, results: list[dict], n_top) -> dict:
+    "The body of a plain `/v1/chat/completions` answer (`n_top`: the `top_logprobs` asked for)."
+    choices = [{"index": i, "message": {"role": "assistant", "content": r["text"]}, "logprobs": _chat_logprobs(r.get("logprobs"), n_top),
                 "finish_reason": r["finish_reason"]} for i, r in enumerate(results)]
     return {**meta, "choices": choices, "usage": _usage(results)}
 
 # %% ../nbs/10_serve.ipynb #cee8b8cc
 def _sse(data) -> str: return f"data: {json.dumps(data)}\n\n"
 
-async def _event_stream(meta: dict, first, events, echo: bool, usage=False):
-    "Server-sent events in OpenAI's format from the batcher's `stream` events (and a `usage` chunk); always ends with `[DONE]`."
-    chunk = lambda i, text, reason=None: _sse({**meta, "choices": [{"text": text, "index": i, "logprobs": None, "finish_reason": reason}]})
+async def _event_stream(meta: dict, first, events, echo: bool, usage=False, chat=False):
+    """Server-sent events in OpenAI's format (`chat`: the chat API's `delta`s) from the batcher's `stream` events (and a
+    `usage` chunk); always ends with `[DONE]`."""
+    def chunk(i, text, reason=None, role=False):
+        if not chat: return _sse({**meta, "choices": [{"text": text, "index": i, "logprobs": None, "finish_reason": reason}]})
+        delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text or role else {})
+        return _sse({**meta, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}]})
     async def all_events():
         yield first
         async for event in events: yield event
     try:
         async for kind, *rest in all_events():
-            if kind == "start" and echo:
-                for i, text in enumerate(rest[0]): yield chunk(i, text)
+            if kind == "start" and (echo or chat):   # a chat stream's first chunk names the role
+                for i, text in enumerate(rest[0]): yield chunk(i, "" if chat else text, role=chat)
             elif kind == "text": yield chunk(rest[0], rest[1])
             elif kind == "done":
                 for i, r in enumerate(rest[0]): yield chunk(i, "", r["finish_reason"])
@@ -529,15 +790,28 @@ async def _on_http_error(request, e: HTTPException):
     return JSONResponse({"error": {"message": e.detail, "type": "invalid_request_error", "param": None, "code": None}},
                         e.status_code, headers=getattr(e, "headers", None))
 
+# %% ../nbs/10_serve.ipynb #0baf4414
+async def _respond(batcher: Batcher, request: Request, job: Job, meta: dict, plain, echo=False, chat=False):
+    "Run `job` on `batcher`: a stream of events, or `plain(meta, results)` as JSON."
+    if job.stream:
+        events = batcher.stream(job)
+        first = await _unless_gone(request, anext(events))   # errors before the first token are plain HTTP errors
+        if job.include_usage: meta["usage"] = None
+        return StreamingResponse(_event_stream(meta, first, events, echo, job.include_usage, chat), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return JSONResponse(plain(meta, await _unless_gone(request, batcher.complete(job))))
+
 # %% ../nbs/10_serve.ipynb #201d8ca6
 def make_app(lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, model_name="meshtx", steps_per_call=8,
-             cors_origins=()) -> Starlette:
-    "The Starlette app serving `lm`: `/complete`, `/v1/completions`, `/v1/models` and `/stats`."
+             cors_origins=(), chat_template=None, max_request_bytes=MAX_REQUEST_BYTES) -> Starlette:
+    """The Starlette app serving `lm`: `/complete`, `/v1/completions`, `/v1/chat/completions`, `/v1/models` and `/stats`.
+    `chat_template`: a Jinja chat template (default: the tokenizer's own); `max_request_bytes`: the largest body read."""
     batcher = Batcher(lm, max_batch, batch_wait_ms, max_queue, steps_per_call)
     n_ctx, created = lm.config.n_ctx, int(time.time())
+    read = lambda request: _read_json(request, max_request_bytes)
 
     async def complete(request):
-        job = parse_complete(await _read_json(request), n_ctx)
+        job = parse_complete(await read(request), n_ctx)
         if lm.tokenizer is None:   # `context` is text: there is no way to send token ids here
             raise RequestError("this model has no tokenizer, so /complete cannot read context: send token ids to "
                                "/v1/completions", "context")
@@ -545,21 +819,20 @@ def make_app(lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, model_name="m
         return JSONResponse({"completion": r["text"]})
 
     async def completions(request):
-        job, echo = parse_completions(await _read_json(request), n_ctx)
+        job, echo = parse_completions(await read(request), n_ctx)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model_name}
-        if job.stream:
-            events = batcher.stream(job)
-            first = await _unless_gone(request, anext(events))   # errors before the first token are plain HTTP errors
-            if job.include_usage: meta["usage"] = None
-            return StreamingResponse(_event_stream(meta, first, events, echo, job.include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        results = await _unless_gone(request, batcher.complete(job))
-        return JSONResponse(_answer(meta, results, echo))
+        return await _respond(batcher, request, job, meta, lambda m, rs: _answer(m, rs, echo), echo)
 
-    async def models(request):
-        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                                         "owned_by": "meshtx", "max_model_len": n_ctx}]})
+    async def chat(request):
+        body = await read(request)
+        if lm.tokenizer is None: raise RequestError("this model has no tokenizer, so it cannot read messages", "messages")
+        job = parse_chat(body, n_ctx, lambda messages: chat_prompt(lm.tokenizer, messages, chat_template))
+        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk" if job.stream else "chat.completion",
+                "created": int(time.time()), "model": model_name}
+        return await _respond(batcher, request, job, meta, lambda m, rs: _chat_answer(m, rs, job.logprobs), chat=True)
 
+    async def models(request): return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model",
+                                                    "created": created, "owned_by": "meshtx", "max_model_len": n_ctx}]})
     async def stats(request): return JSONResponse(batcher.stats())
 
     @contextlib.asynccontextmanager
@@ -569,6 +842,7 @@ def make_app(lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, model_name="m
         finally: await asyncio.to_thread(batcher.close)
 
     routes = [Route("/complete", complete, methods=["POST"]), Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]), Route("/stats", stats, methods=["GET"])]
     middleware = [Middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                              allow_headers=["*"])] if cors_origins else []

@@ -86,3 +86,12 @@ def gcs_bucket():
         for k, v in old.items():
             if v is None: os.environ.pop(k, None)
             else: os.environ[k] = v
+
+
+def write_task(root, name, rows, **config):
+    "A local lm-eval task `name` in directory `root`: its `rows` as a jsonl file, and its yaml (`config` on top)."
+    import json, yaml
+    (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = {"task": name, "dataset_path": "json", "test_split": "test",
+              "dataset_kwargs": {"data_files": {"test": str(root / f"{name}.jsonl")}}, **config}
+    (root / f"{name}.yaml").write_text(yaml.safe_dump(config))

@@ -28,3 +28,16 @@ def test_benchmark_prints_its_table(name):
         rows = [l for l in rows if "cache_read=" not in l]
     if not name.startswith("compile"):
         assert all("—" not in l.split("|")[3] for l in rows if "tok/s" in l), r.stdout   # HF measured too
+
+
+@pytest.mark.slow
+def test_serve_benchmark_prints_its_table():
+    "bench/serve.py: a tiny server on 127.0.0.1, two clients for 3 s; the table has a row per figure (no timing asserted)."
+    r = subprocess.run([sys.executable, str(BENCH / "serve.py"), "--preset", "tiny", "--clients", "2", "--seconds", "3"],
+                       capture_output=True, text=True, timeout=600, cwd=BENCH)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    table = [l for l in r.stdout.splitlines() if l.startswith("| ")]
+    assert table[0].startswith("| figure | ") and len(table) > 10, r.stdout
+    rows = {l.split(" | ")[0][2:]: l.split(" | ")[1] for l in table[1:]}
+    assert int(rows["requests answered (of them streamed)"].split()[0]) > 0, r.stdout
+    assert any(k.startswith("head of line") for k in rows) and "server RSS idle (after warm-up) / peak (VmHWM)" in rows, r.stdout

@@ -5,6 +5,7 @@ os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"          
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="meshtx-test-datasets-"))
 import numpy as np
 import pytest
+from conftest import write_task   # a local lm-eval task: a jsonl file and its yaml
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")                   # lm-eval's `hf` model needs it (the dev extra has it)
@@ -24,13 +25,6 @@ TEXTS = [d["question"] + " " + d["choices"][d["answer"]] + ". " + "It is known; 
          for i, d in enumerate(QA)]
 TASKS = ["toy_mc", "toy_ppl", "toy_gen"]
 GEN_TOKENS = 8
-
-
-def write_task(root, name, rows, **config):
-    (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = {"task": name, "dataset_path": "json", "test_split": "test",
-              "dataset_kwargs": {"data_files": {"test": str(root / f"{name}.jsonl")}}, **config}
-    (root / f"{name}.yaml").write_text(yaml.safe_dump(config))
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +139,66 @@ def test_perplexity(setup):
     n = [len(lm.tokenizer(t).input_ids) for t in TEXTS[:2]]
     logs = [math.log(perplexity(lm, t)) for t in TEXTS[:2]]
     assert abs(math.log(both) - (n[0] * logs[0] + n[1] * logs[1]) / sum(n)) < 1e-5
+
+
+def _run(*args, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["MESHTX_CACHE_DIR"] = "off"
+    return subprocess.run(list(map(str, args)), capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_python_m_meshtx_evaluate_runs_without_a_runtime_warning():
+    "`python -m meshtx.evaluate` is lm_eval's command line, with no runpy warning that the module was imported twice."
+    r = _run(sys.executable, "-m", "meshtx.evaluate", "--help")
+    assert r.returncode == 0 and "lm-eval" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "RuntimeWarning" not in r.stderr and "found in sys.modules" not in r.stderr, r.stderr
+
+
+def test_eval_help_says_how_to_reach_the_meshtx_model():
+    "`meshtx eval --help`: examples with `--model meshtx`, and why lm-eval's own `lm_eval --model meshtx` may not see it."
+    r = _run(os.path.join(os.path.dirname(sys.executable), "meshtx"), "eval", "--help")
+    assert r.returncode == 0, r.stderr
+    examples = [l.strip() for l in r.stdout.splitlines() if l.startswith("  ")]
+    assert sum(e.startswith("meshtx eval --model meshtx --model_args pretrained=") for e in examples) >= 2, examples
+    assert any(e.startswith("python -m meshtx.evaluate --model meshtx ") for e in examples), examples
+    text = " ".join(r.stdout.split())
+    assert "Why not `lm_eval --model meshtx`?" in text and "registered in its own process" in text, text
+    assert "`lm_eval.models` entry point" in text and 'simple_evaluate(model="meshtx"' in text, text
+
+
+def test_meshtx_is_an_lm_eval_models_entry_point():
+    "The installed distribution declares `meshtx` in lm-eval's plugin group (`lm_eval.models`), naming MeshtxLM."
+    from importlib.metadata import entry_points
+    eps = {ep.name: ep for ep in entry_points(group="lm_eval.models")}
+    assert "meshtx" in eps, f"no lm_eval.models entry point (reinstall: pip install -e .): {sorted(eps)}"
+    assert eps["meshtx"].value == "meshtx.evaluate:MeshtxLM" and eps["meshtx"].load() is MeshtxLM
+
+
+# lm-eval's own command line, as a plugin-reading lm-eval runs it: the entry point recorded as a placeholder in its
+# model registry (without importing meshtx), loaded when `--model meshtx` asks for it
+AS_PLUGIN = """import sys, lm_eval.models
+from importlib.metadata import entry_points
+from lm_eval.api.registry import model_registry
+if "meshtx" not in model_registry:
+    model_registry.register("meshtx", target=next(e for e in entry_points(group="lm_eval.models") if e.name == "meshtx"))
+assert "meshtx" not in sys.modules
+from lm_eval.__main__ import cli_evaluate
+sys.argv = ["lm_eval", *sys.argv[1:]]
+cli_evaluate()"""
+
+
+@pytest.mark.slow
+def test_lm_eval_command_finds_meshtx_through_its_entry_point(setup, tmp_path):
+    """`lm_eval --model meshtx` on a local task: the `lm_eval` script itself where the installed lm-eval reads plugins'
+    entry points; else (0.4.13 and older) lm-eval's command line after recording the entry point as such an lm-eval does."""
+    probe = _run(sys.executable, "-c", "from lm_eval.api.registry import get_model; print(get_model('meshtx').__module__)")
+    command = ([os.path.join(os.path.dirname(sys.executable), "lm_eval")] if probe.returncode == 0 else
+               [sys.executable, "-c", AS_PLUGIN])
+    out = tmp_path / "out"
+    r = _run(*command, "--model", "meshtx", "--model_args", f"pretrained={setup['ckpt']},dtype=float32", "--tasks", "toy_mc",
+             "--include_path", setup["tasks"], "--limit", 2, "--output_path", out)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result, = out.rglob("results_*.json")
+    acc = json.loads(result.read_text())["results"]["toy_mc"]["acc,none"]
+    ref = evaluate(MeshtxLM(pretrained=str(setup["ckpt"]), dtype="float32"), setup, tasks=["toy_mc"], limit=2)
+    assert acc == ref["results"]["toy_mc"]["acc,none"]

@@ -198,3 +198,126 @@ def test_layering_lm_above_sampling():
     assert not {m for m in top_imports(meshtx.lm) if m and m.split(".")[-1] == "sampling"}
     assert not hasattr(LM, "_text") and not hasattr(LM, "_chunks")    # no private helpers patched onto LM
     assert LM.generate.__module__ == "meshtx.lm"
+
+
+def decisive(seed=0, scale=8):
+    "The tiny model with its weights scaled up: logits of O(1) and more (std 0.6 at scale 2, 10 at 8): clear-cut greedy choices."
+    lm = LM.init("tiny", seed=seed)
+    lm.params = jax.tree.map(lambda x: x * scale, lm.params)
+    return lm
+
+
+def test_seeded_samples_are_those_of_earlier_releases():
+    "Presence/frequency penalties, the logit bias and per-row steps changed the sampler: a seed still gives the same text."
+    g = LM.init("tiny").generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new_tokens=12, temperature=[0.9, 1.2], top_k=[0, 40],
+                                 top_p=[0.95, 1.0], repetition_penalty=[1.0, 1.3], seed=[3, 77], eos_token_id=None)
+    assert g.tokens == [[781, 832, 196, 207, 590, 938, 1, 728, 534, 414, 921, 98],      # meshtx 76cdab8's
+                        [993, 254, 41, 82, 543, 927, 59, 544, 870, 747, 770, 361]]
+
+
+def numpy_greedy(lm, prompt, new, presence=0.0, frequency=0.0, repetition=1.0, bias=None):
+    "Greedy decoding by recomputing the logits in full each step, with the penalties and bias applied in NumPy."
+    seq, counts = list(prompt), np.zeros(lm.config.n_vocab)
+    for _ in range(new):
+        x = np.asarray(lm.logits(seq)[0, -1], np.float64) + (0 if bias is None else bias)
+        seen = np.zeros(lm.config.n_vocab, bool); seen[seq] = True
+        x = np.where(seen, np.where(x < 0, x * repetition, x / repetition), x)
+        x = x - frequency * counts - presence * (counts > 0)
+        t = int(np.argmax(x)); seq.append(t); counts[t] += 1
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("presence,frequency,repetition", [(0.0, 1.5, 1.0), (0.5, 0.3, 1.2), (-1.0, -0.5, 1.0)])
+def test_presence_and_frequency_penalties_equal_numpy(presence, frequency, repetition):
+    lm, favour = decisive(scale=2), {5: 3.0, 9: 2.5}     # a model that would say 5 5 5 ... : penalties have work to do
+    bias = np.zeros(lm.config.n_vocab); bias[list(favour)] = list(favour.values())
+    batch = prompts(lm.config.n_vocab, [3, 7])
+    g = lm.generate(batch, max_new_tokens=12, temperature=0, presence_penalty=presence, frequency_penalty=frequency,
+                    repetition_penalty=repetition, logit_bias=favour, eos_token_id=None)
+    for p, toks in zip(batch, g.tokens):
+        assert toks == numpy_greedy(lm, p, 12, presence, frequency, repetition, bias)
+    plain = lm.generate(batch, max_new_tokens=12, temperature=0, logit_bias=favour, eos_token_id=None).tokens
+    assert all(len(set(t)) <= 2 for t in plain)
+    if presence > 0 or frequency > 0: assert g.tokens != plain, g.tokens   # pushed off 5 5 5 (where 5 leads by less)
+    # per row: the penalized row and an unpenalized one in one batch
+    mixed = lm.generate(batch, max_new_tokens=12, temperature=0, presence_penalty=[presence, 0], frequency_penalty=[frequency, 0],
+                        repetition_penalty=[repetition, 1], logit_bias=favour, eos_token_id=None).tokens
+    assert mixed == [g.tokens[0], plain[1]]
+
+
+def test_logit_bias_forces_and_bans_tokens():
+    lm = decisive()
+    V, batch = lm.config.n_vocab, prompts(lm.config.n_vocab, [4, 6])
+    plain = lm.generate(batch, max_new_tokens=8, temperature=0, eos_token_id=None).tokens
+    first = plain[1][0]
+    g = lm.generate(batch, max_new_tokens=8, temperature=1.0, seed=3, logit_bias=[{17: 100}, {first: -100}], eos_token_id=None)
+    assert g.tokens[0] == [17] * 8                                   # sampled, yet forced
+    assert g.tokens[1][0] != first
+    banned = np.zeros(V); banned[first] = -100
+    greedy = lm.generate(batch[1], max_new_tokens=8, temperature=0, logit_bias={first: -100.0}, eos_token_id=None).tokens[0]
+    assert greedy == numpy_greedy(lm, batch[1], 8, bias=banned) and first not in greedy
+    # the same bias for every row, and numpy keys
+    both = lm.generate(batch, max_new_tokens=3, temperature=0, logit_bias={np.int64(5): 100}, eos_token_id=None).tokens
+    assert both == [[5, 5, 5], [5, 5, 5]]
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"presence_penalty": 2.5}, "invalid presence_penalty=2.5"), ({"frequency_penalty": -3}, "invalid frequency_penalty=-3"),
+    ({"frequency_penalty": "x"}, "invalid frequency_penalty='x'"), ({"presence_penalty": [0, 1]}, "presence_penalty has 2 values for 1 prompts"),
+    ({"logit_bias": {1024: 1}}, "invalid logit_bias={1024: ...}: token ids are integers in [0, 1024)"),
+    ({"logit_bias": {-1: 1}}, "invalid logit_bias={-1: ...}"), ({"logit_bias": {"7": 1}}, "invalid logit_bias={'7': ...}"),
+    ({"logit_bias": {7: 150}}, "invalid logit_bias={7: 150}: a bias is a number in [-100, 100]"),
+    ({"logit_bias": {7: float("nan")}}, "invalid logit_bias={7: nan}"), ({"logit_bias": [7]}, "invalid logit_bias=7"),
+    ({"logit_bias": [{}, {}]}, "invalid logit_bias=<2 dicts>: give one for each of the 1 prompts"),
+    ({"top_logprobs": -1}, "invalid top_logprobs=-1"), ({"top_logprobs": 2.0}, "invalid top_logprobs=2.0"),
+    ({"top_logprobs": 5000}, "invalid top_logprobs=5000: an integer in [0, 1024]"),
+    ({"stop": [[1]] * 17}, "invalid stop=<17 sequences>: at most 16"), ({"stop": [list(range(1, 66))]}, "1 to 64 token ids"),
+])
+def test_bad_new_options_are_named(kw, msg):
+    import re
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        LM.init("tiny").generate([[1, 2]], max_new_tokens=2, **kw)
+
+
+def test_top_logprobs_are_the_models_own():
+    """`top_logprobs=k`: per token, the log-softmax of `lm.logits` (float32, 1e-5) for the k likeliest and the chosen
+    token, whatever the sampler did to its own distribution (temperature, top-k, a bias); the same once a stream ends."""
+    lm = decisive(1, scale=2)
+    batch = prompts(lm.config.n_vocab, [5, 2])
+    g = lm.generate(batch, max_new_tokens=6, temperature=[0.7, 1.3], top_k=[0, 50], logit_bias=[None, {3: 4.0}], seed=9,
+                    top_logprobs=3, logprobs=True, eos_token_id=None)
+    for p, toks, tops, sampler in zip(batch, g.tokens, g.top_logprobs, g.logprobs):
+        assert len(tops) == len(toks) == 6
+        for t, (tok, top) in enumerate(zip(toks, tops)):
+            ref = np.asarray(jax.nn.log_softmax(lm.logits(p + toks[:t])[0, -1].astype(jnp.float32)))
+            best = np.argsort(-ref)[:3]
+            assert list(top)[:3] == best.tolist() and tok in top and len(top) == 3 + (tok not in best)
+            for i, lp in top.items(): assert abs(lp - ref[i]) < 1e-5, (t, i, lp, ref[i])
+        assert any(abs(s - top[tok]) > 1e-3 for s, tok, top in zip(sampler, toks, tops))   # the sampler's are other numbers
+    s = lm.generate(batch, max_new_tokens=6, temperature=[0.7, 1.3], top_k=[0, 50], logit_bias=[None, {3: 4.0}], seed=9,
+                    top_logprobs=3, eos_token_id=None, stream=True, steps_per_call=2)
+    assert s.top_logprobs is None
+    list(s)                                              # (no text: the tiny model has no tokenizer)
+    assert s.tokens == g.tokens
+    assert all(abs(a[k] - b[k]) < 1e-6 for ra, rb in zip(s.top_logprobs, g.top_logprobs) for a, b in zip(ra, rb) for k in a)
+    assert lm.generate(batch, max_new_tokens=2).top_logprobs is None
+    alone = lm.generate(batch, max_new_tokens=6, temperature=[0.7, 1.3], top_k=[0, 50], logit_bias=[None, {3: 4.0}], seed=9,
+                        top_logprobs=0, eos_token_id=None)            # 0: the chosen token's own log-probability only
+    assert alone.top_logprobs == [[{t: top[t]} for t, top in zip(toks, tops)] for toks, tops in zip(g.tokens, g.top_logprobs)]
+
+
+def test_top_logprobs_sizes_and_stops_compile_a_few_programs():
+    "k is rounded up to 5, 20, ...: k = 0..5 is one decode program; stop lists of any size and length share one shape."
+    lm = LM.init("tiny")
+    fns = _compiled(lm)
+    lm.generate([[1, 2]], max_new_tokens=4, top_logprobs=1)
+    d0 = fns.decode._cache_size()
+    for k in (0, 2, 3, 4, 5): lm.generate([[1, 2]], max_new_tokens=4, top_logprobs=k)
+    assert fns.decode._cache_size() == d0
+    for k in (6, 11, 20): lm.generate([[1, 2]], max_new_tokens=4, top_logprobs=k)
+    assert fns.decode._cache_size() == d0 + 1
+    lm.generate([[1, 2]], max_new_tokens=4, temperature=0)
+    d1 = fns.decode._cache_size()
+    for stop in ([5], [[5, 6, 7]], [[1]] * 16, [list(range(1, 65))], None, []):
+        lm.generate([[1, 2]], max_new_tokens=4, temperature=0, stop=stop)
+    assert fns.decode._cache_size() == d1

@@ -51,14 +51,19 @@ class Server:
     def stats(self): return httpx.get(f"{self.url}/stats", timeout=10).json()
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """Three servers, started together: the defaults, a quiet one with room for one running and one queued prompt
     (and batches of one), and one with the defaults for a test to stop."""
     log_dir = tmp_path_factory.mktemp("serve-logs")
+    (log_dir / "chat.jinja").write_text(CHAT_TEMPLATE)
     started = []
     try:
-        started.append(Server(log_dir))
+        started.append(Server(log_dir, "--chat-template", log_dir / "chat.jinja", "--max-request-mb", 1))
         started.append(Server(log_dir, "--max-batch", 1, "--max-queue", 1, "--batch-wait-ms", 0, "-q"))
         started.append(Server(log_dir))
         for s in started: s.wait_ready()
@@ -274,3 +279,111 @@ def test_sigterm_answers_queued_requests_at_once_ends_the_stream_and_exits(serve
     assert exited < 10, exited
     assert lines[-1] == "data: [DONE]" and "the server is shutting down" in lines[-2], lines[-3:]
     assert "Traceback" not in s.output(), s.output()
+
+
+def test_logprobs_echo_and_prompt_scoring_equal_the_evaluators_scores(server, demo):
+    "What lm-eval sends to score text (echo, logprobs, max_tokens 0 or 1): the evaluator's numbers, the first token null."
+    from meshtx.evaluate import score
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    ids = demo.tokenizer(PROMPTS[4]).input_ids
+    for max_tokens in (0, 1):
+        c = client.completions.create(model="demo", prompt=ids, max_tokens=max_tokens, logprobs=2, echo=True, temperature=0)
+        lp = c.choices[0].logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert len(lp.tokens) == len(ids) + max_tokens and "".join(lp.tokens[:len(ids)]) == PROMPTS[4]
+        assert lp.text_offset[:3] == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+        total, greedy_all = score(demo, [ids], [len(ids) - 1])[0]
+        assert abs(sum(lp.token_logprobs[1:len(ids)]) - total) < 1e-3, (sum(lp.token_logprobs[1:len(ids)]), total)
+        for t, top in zip(lp.tokens[1:], lp.top_logprobs[1:]):
+            assert t in top and 2 <= len(top) <= 3   # the two likeliest, and the chosen one
+        assert c.usage.prompt_tokens == len(ids) and c.usage.completion_tokens == max_tokens
+    # the generated tokens' log-probabilities: the model's own, as the evaluator scores the whole text
+    g = client.completions.create(model="demo", prompt=PROMPTS[4], max_tokens=5, logprobs=0, temperature=0)
+    gen = demo.tokenizer(g.choices[0].text).input_ids
+    assert "".join(g.choices[0].logprobs.tokens) == g.choices[0].text
+    total = score(demo, [ids + gen], [len(gen)])[0][0]
+    assert abs(sum(g.choices[0].logprobs.token_logprobs) - total) < 1e-3
+
+
+def test_n_best_of_penalties_and_logit_bias(server, demo):
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    c = client.completions.create(model="demo", prompt=[PROMPTS[0], PROMPTS[1]], n=2, max_tokens=6, seed=3)
+    assert [ch.index for ch in c.choices] == [0, 1, 2, 3] and c.choices[0].text != c.choices[1].text
+    alone = client.completions.create(model="demo", prompt=PROMPTS[1], max_tokens=6, seed=5)
+    assert c.choices[2].text == alone.choices[0].text                        # choice 2: the second prompt, seed 3 + 2
+    again = client.completions.create(model="demo", prompt=[PROMPTS[0], PROMPTS[1]], n=2, max_tokens=6, seed=3)
+    assert [ch.text for ch in again.choices] == [ch.text for ch in c.choices]  # reproducible
+    b = client.completions.create(model="demo", prompt=PROMPTS[0], n=1, best_of=3, max_tokens=6, seed=3)
+    assert len(b.choices) == 1 and b.usage.completion_tokens == 18           # three sampled, one returned
+    # logit_bias: +100 makes a token the greedy choice; the penalties are accepted and change sampling
+    forced = client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=3, temperature=0, logit_bias={"11": 100})
+    assert forced.choices[0].text == demo.tokenizer.decode([11, 11, 11])
+    kw = dict(max_tokens=12, temperature=0, logit_bias={"11": 8, "13": 7})   # a model inclined to say 11 11 11 ...
+    plain = client.completions.create(model="demo", prompt=PROMPTS[0], **kw)
+    pen = client.completions.create(model="demo", prompt=PROMPTS[0], frequency_penalty=2, presence_penalty=1.5, **kw)
+    assert pen.choices[0].text != plain.choices[0].text                      # the penalties had work to do
+    ref = demo.generate(PROMPTS[0], max_new_tokens=12, temperature=0, logit_bias={11: 8, 13: 7}, frequency_penalty=2,
+                        presence_penalty=1.5)
+    assert pen.choices[0].text == ref.texts[0]                               # and did what `generate` does
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model="demo", prompt="x", max_tokens=2, logit_bias={"999999": 1})
+
+
+def test_chat_completions_plain_and_streamed_through_the_template(servers, demo):
+    import openai
+    from meshtx.serve import chat_prompt
+    server = servers["main"]      # started with --chat-template
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Tell me about JAX."}]
+    c = client.chat.completions.create(model="demo", messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    prompt = chat_prompt(demo.tokenizer, messages, CHAT_TEMPLATE)
+    assert prompt == "User: Tell me about JAX.\nAssistant:"
+    expected = greedy(demo, prompt, 8).texts[0]
+    assert c.object == "chat.completion" and c.choices[0].message.role == "assistant"
+    assert c.choices[0].message.content == expected
+    assert "".join(t.token for t in c.choices[0].logprobs.content) == expected
+    assert all(len(t.top_logprobs) == 2 for t in c.choices[0].logprobs.content)
+    pieces = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=8, temperature=0, stream=True))
+    assert pieces[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in pieces) == expected
+    assert pieces[-1].choices[0].finish_reason == "length"
+    two = client.chat.completions.create(model="demo", messages=messages, max_tokens=4, n=2, seed=1)
+    assert [ch.index for ch in two.choices] == [0, 1]
+    # a tokenizer without a chat template (GPT-2's) and no --chat-template: a 400 that says what to do
+    with pytest.raises(openai.BadRequestError, match="--chat-template FILE"):
+        openai.OpenAI(base_url=f"{servers['tight'].url}/v1", api_key="x", max_retries=0).chat.completions.create(
+            model="demo", messages=messages, max_tokens=2)
+
+
+def test_big_bodies_prompts_and_stops_are_refused_before_they_are_read_or_tokenized(server, demo):
+    import socket
+    big = b'{"prompt": "' + b"x" * (50 * 2**20) + b'"}'
+    try: r = server.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    except (httpx.WriteError, httpx.RemoteProtocolError): r = None   # the server answered and closed while it was sent
+    assert r is None or (r.status_code == 413 and "1,048,576 bytes" in r.json()["error"]["message"]), r and r.text
+    def chunked():                # no Content-Length: counted as it comes
+        for _ in range(40): yield b" " * 2**16
+    r = server.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    r = server.post("/v1/completions", json={"prompt": "word " * 20000, "max_tokens": 2})   # 100,000 characters
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"], r.text
+    r = server.post("/v1/completions", json={"prompt": "x", "stop": "s" * 1000, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    # a client that sends half a body and hangs up: no traceback in the log
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\"")
+    time.sleep(0.5)
+    r = server.post("/v1/completions", json={"prompt": PROMPTS[5], "max_tokens": LENGTHS[5], "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy(demo, PROMPTS[5], LENGTHS[5]).texts[0]
+    assert "Traceback" not in server.output() and "ClientDisconnect" not in server.output(), server.output()[-3000:]
+
+
+def test_new_stop_shapes_compile_nothing_new(server):
+    ask = lambda stop: server.post("/v1/completions", json={"prompt": PROMPTS[6], "max_tokens": 6, "temperature": 0, "stop": stop})
+    assert ask(["zz"]).status_code == 200
+    before = server.stats()["compiled"]
+    for stop in (["a b c d e"], ["q", "rr", "sss"], [f"stop{i}" for i in range(16)], ["a longer stop string, of some words"]):
+        assert ask(stop).status_code == 200
+    assert server.stats()["compiled"] == before, (before, server.stats()["compiled"])
