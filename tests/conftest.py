@@ -95,3 +95,12 @@ def write_task(root, name, rows, **config):
     config = {"task": name, "dataset_path": "json", "test_split": "test",
               "dataset_kwargs": {"data_files": {"test": str(root / f"{name}.jsonl")}}, **config}
     (root / f"{name}.yaml").write_text(yaml.safe_dump(config))
+
+
+def assert_same(a, b, tol=1e-4):
+    "Equal strings and bools, and numbers within `tol` (relative for large ones), nested in lists and tuples."
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), (a, b)
+        for x, y in zip(a, b): assert_same(x, y, tol)
+    elif isinstance(a, (bool, np.bool_, str)) or a is None: assert a == b, (a, b)
+    else: assert abs(float(a) - float(b)) <= tol * max(1.0, abs(float(b))), (a, b)

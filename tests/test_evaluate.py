@@ -5,7 +5,7 @@ os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"          
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="meshtx-test-datasets-"))
 import numpy as np
 import pytest
-from conftest import write_task   # a local lm-eval task: a jsonl file and its yaml
+from conftest import assert_same, write_task   # shared by the lm-eval tests: a local task; results compared
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")                   # lm-eval's `hf` model needs it (the dev extra has it)
@@ -54,15 +54,6 @@ def hf_model(setup, **kw):
 def evaluate(model, setup, tasks=TASKS, **kw):
     return lm_eval.simple_evaluate(model=model, tasks=tasks, task_manager=TaskManager(include_path=str(setup["tasks"])),
                                    log_samples=True, **kw)
-
-
-def assert_same(a, b, tol=1e-4):
-    "Equal strings and bools, and numbers within `tol` (relative for large ones), nested in lists and tuples."
-    if isinstance(a, (list, tuple)):
-        assert len(a) == len(b), (a, b)
-        for x, y in zip(a, b): assert_same(x, y, tol)
-    elif isinstance(a, (bool, np.bool_, str)) or a is None: assert a == b, (a, b)
-    else: assert abs(float(a) - float(b)) <= tol * max(1.0, abs(float(b))), (a, b)
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"          
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="meshtx-test-datasets-"))
 import numpy as np
 import pytest
-from conftest import write_task   # a local lm-eval task: a jsonl file and its yaml
+from conftest import assert_same, write_task   # shared by the lm-eval tests: a local task; results compared
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("tenacity")                     # lm-eval's API models need lm-eval[api]
@@ -65,15 +65,6 @@ def local_completions(setup, url):
     args = dict(base_url=f"{url}/v1/completions", model="demo", tokenizer=setup["tokenizer"], tokenizer_backend="huggingface",
                 tokenized_requests=True, max_length=512, batch_size=BATCH, max_retries=1)
     return evaluate(setup, "local-completions", ",".join(f"{k}={v}" for k, v in args.items()))
-
-
-def assert_same(a, b, tol=1e-4):
-    "Equal strings and bools, and numbers within `tol` (relative for large ones), nested in lists and tuples."
-    if isinstance(a, (list, tuple)):
-        assert len(a) == len(b), (a, b)
-        for x, y in zip(a, b): assert_same(x, y, tol)
-    elif isinstance(a, (bool, np.bool_, str)) or a is None: assert a == b, (a, b)
-    else: assert abs(float(a) - float(b)) <= tol * max(1.0, abs(float(b))), (a, b)
 
 
 class Recorder(ThreadingHTTPServer):
