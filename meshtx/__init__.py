@@ -4,7 +4,7 @@
 from meshtx.config import ModelConfig, PRESETS
 from meshtx.model import KVCache, gptj, init_params, param_shapes
 from meshtx.tokenizer import EOT, gpt2_tokenizer, load_tokenizer
-from meshtx.lm import LM, enable_compilation_cache
+from meshtx.lm import LM, enable_compilation_cache, disable_compilation_cache
 from meshtx.sharding import make_mesh, plan, param_shardings, shard_params
 from meshtx import distributed
 from meshtx.sampling import Generation
@@ -35,7 +35,7 @@ __all__ = []
 from .config import ModelConfig, PRESETS
 from .model import KVCache, gptj, init_params, param_shapes
 from .tokenizer import EOT, gpt2_tokenizer, load_tokenizer
-from .lm import LM, enable_compilation_cache
+from .lm import LM, enable_compilation_cache, disable_compilation_cache
 from .sharding import make_mesh, plan, param_shardings, shard_params
 from . import distributed
 from .sampling import Generation

@@ -20,7 +20,7 @@ from .tokenizer import gpt2_tokenizer, load_tokenizer, has_tokenizer, EOT, TOKEN
 from .sharding import param_shardings, shard_params, activation_hint, batch_sharding
 
 # %% auto #0
-__all__ = ['OLD_QKV', 'resolve_checkpoint', 'enable_compilation_cache', 'LM', 'layer_views']
+__all__ = ['OLD_QKV', 'resolve_checkpoint', 'disable_compilation_cache', 'enable_compilation_cache', 'LM', 'layer_views']
 
 # %% ../nbs/04_lm.ipynb #de8ab472
 _COMMON = ["*.json", "*.txt", "*.model"]
@@ -45,11 +45,22 @@ def resolve_checkpoint(path_or_repo_id, revision=None, progress=True) -> Path:
                          f"hub failed ({type(e).__name__}: {e})") from None
 
 # %% ../nbs/04_lm.ipynb #15f16a7d
+def _reset_cache():
+    from jax.experimental.compilation_cache import compilation_cache
+    compilation_cache.reset_cache()
+
+def disable_compilation_cache():
+    "Stop caching compiled programs on disk (and let go of the directory `enable_compilation_cache` opened)."
+    _reset_cache()
+    jax.config.update("jax_compilation_cache_dir", None)
+
 def enable_compilation_cache(path=None) -> Path:
     "Cache compiled XLA programs in `path` (default `$MESHTX_CACHE_DIR` or `~/.cache/meshtx/xla`) across processes."
     path = Path(path or os.environ.get("MESHTX_CACHE_DIR") or Path.home() / ".cache" / "meshtx" / "xla").expanduser()
     path.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
+    if jax.config.jax_compilation_cache_dir != str(path):
+        _reset_cache()   # JAX opens its cache once: without this a second directory would be ignored
+        jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
