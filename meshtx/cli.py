@@ -428,7 +428,8 @@ def cmd_serve(args) -> int:
     serve(lm, host=args.host, port=args.port, log_level="warning" if args.quiet else "info", model_name=name,
           announce=f"meshtx: serving {name}: {lm}",   # once bound, with the real port (--port 0), also with -q
           max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms, max_queue=args.max_queue,
-          cors_origins=args.cors_origin or (), chat_template=template, max_request_bytes=int(args.max_request_mb * 2**20))
+          cors_origins=args.cors_origin or (), chat_template=template, max_request_bytes=int(args.max_request_mb * 2**20),
+          continuous=not args.static_batching)
     return 0
 
 # %% ../nbs/12_cli.ipynb #34b29509
@@ -437,8 +438,10 @@ def _add_serve(sub):
     s = sub.add_parser("serve", help="serve a model over HTTP (/complete, OpenAI's /v1/completions and /v1/chat/completions)",
                        description="Serve a model over HTTP: /complete, and OpenAI's /v1/completions (logprobs, echo, n, "
                        "best_of, penalties, logit_bias) and /v1/chat/completions (the tokenizer's chat template, or "
-                       "--chat-template). Plain requests that arrive together are decoded in one batch; streamed requests "
-                       "run one at a time. Compiled shapes, each once: batch rows, prompt length and new tokens rounded up "
+                       "--chat-template). Continuous batching: --max-batch rows decode together, and a request (plain or "
+                       "streamed) takes a row as soon as one is free; requests for log-probabilities, and those with more "
+                       "prompts than --max-batch, run as whole batches once no row is busy. Compiled shapes, each once: "
+                       "batch rows, prompt length and new tokens rounded up "
                        "to powers of two (prompts and new tokens at least 16); stops always as one table of 16 sequences "
                        "x 64 tokens; 5 or 20 top log-probabilities. Limits: a body of --max-request-mb, a prompt of "
                        "n_ctx tokens (and as many characters as n_ctx tokens can hold), 16 stop strings of 256 characters, "
@@ -454,6 +457,7 @@ def _add_serve(sub):
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default bfloat16 for HF)")
     s.add_argument("--max-batch", type=_positive, default=8, help="most prompts decoded together; a request with more runs as several calls (default 8)")
     s.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long to gather requests into a batch (default 5)")
+    s.add_argument("--static-batching", action="store_true", help="decode whole batches of the requests that arrive together, streams one at a time, instead of continuous batching")
     s.add_argument("--max-queue", type=_positive, default=64, help="most prompts waiting; more are refused with 503 (default 64)")
     s.add_argument("--cors-origin", action="append", help="allow browser requests from this origin (repeatable)")
     s.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's own)")

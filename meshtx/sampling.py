@@ -120,12 +120,14 @@ class State(NamedTuple):
 MAX_STOPS, STOP_TOKENS = 16, 64   # the stop table's one shape
 
 def stopped(out, length, stops):
-    "Does each row's generated text `out` `[B, N]` (`length` `[B]`) end with one of `stops` `[S, K]` (right-aligned ids, -1 = padding)?"
-    S, K = stops.shape
+    """Does each row's generated text `out` `[B, N]` (`length` `[B]`) end with one of `stops` `[S, K]` (right-aligned
+    ids, -1 = padding), or with one of its own, `stops` `[B, S, K]`?"""
+    K = stops.shape[-1]
     idx = length[:, None] - K + jnp.arange(K)[None, :]                      # the last K tokens of each row
     tail = jnp.where(idx >= 0, jnp.take_along_axis(out, jnp.maximum(idx, 0), axis=1), -2)
-    match = (stops[None] == tail[:, None, :]) | (stops[None] == -1)
-    return (match.all(-1) & (stops != -1).any(-1)[None]).any(-1)
+    stops = stops if stops.ndim == 3 else stops[None]
+    match = (stops == tail[:, None, :]) | (stops == -1)
+    return (match.all(-1) & (stops != -1).any(-1)).any(-1)
 
 # %% ../nbs/05_sampling.ipynb #54ff81be
 def _prefill(apply, params, tokens, mask, cache, vocab):

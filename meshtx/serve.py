@@ -17,7 +17,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from .lm import LM
-from .sampling import cut_at_stop, token_text, model_logprobs
+from .sampling import cut_at_stop, token_text, model_logprobs, _held
+from .slots import Slots
 import numpy as np
 import jax, jax.numpy as jnp
 
@@ -121,6 +122,7 @@ class Job:
     special_tokens: bool = True   # tokenize with the tokenizer's special tokens (a chat template writes its own)
     ids: list | None = field(default=None, repr=False)    # token ids per row, filled in by `_encode`
     scores: list | None = field(default=None, repr=False) # each prompt's tokens scored (echo with logprobs)
+    _progress: object = field(default=None, repr=False)   # its rows' results and streamed text, while in the slots
     cancelled: bool = field(default=False, repr=False)    # the client went away
     _loop: object = field(default=None, repr=False)
     _done: object = field(default=None, repr=False)       # an asyncio future (plain jobs)
@@ -283,18 +285,21 @@ def _as_request_error(e: Exception) -> RequestError:
 
 # %% ../nbs/10_serve.ipynb #c9de5d46
 def _compiled_programs(lm) -> int | None:
-    "How many programs `generate` has compiled for `lm` (a prefill and a decode per shape; None: JAX does not say)."
-    kept = getattr(lm, "compiled", {}).get("meshtx.sampling")
-    if kept is None: return 0
-    try: return kept[1].prefill._cache_size() + kept[1].decode._cache_size()
+    "How many programs `generate` and the slots have compiled for `lm` (each jitted function, per shape; None: JAX does not say)."
+    compiled = getattr(lm, "compiled", {})
+    fns = [f for name, attrs in (("meshtx.sampling", ("prefill", "decode")), ("meshtx.slots", ("join", "decode", "repack")))
+           if (kept := compiled.get(name)) for f in (getattr(kept[1], a) for a in attrs)]
+    try: return sum(f._cache_size() for f in fns)
     except AttributeError: return None
 
 class Batcher:
-    "Runs `Job`s on `lm` from one worker thread, batching up to `max_batch` prompts that arrive within `batch_wait_ms`."
-    def __init__(self, lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, steps_per_call=8):
+    """Runs `Job`s on `lm` from one worker thread, `max_batch` prompts at a time. `continuous`: in `Slots`, where a job
+    joins as soon as a row is free; otherwise as `generate` batches of the prompts that arrive within `batch_wait_ms`."""
+    def __init__(self, lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, steps_per_call=8, continuous=True):
         if max_batch < 1 or max_queue < 1: raise ValueError("max_batch and max_queue must be at least 1")
         self.lm, self.max_batch, self.batch_wait, self.max_queue = lm, max_batch, batch_wait_ms / 1000, max_queue
-        self.steps_per_call = steps_per_call
+        self.steps_per_call, self.continuous = steps_per_call, continuous
+        self.slots, self._active, self.decode_calls = None, {}, 0   # the slots, and what runs in them: {row: (job, i)}
         self._queue, self._queued = collections.deque(), 0
         self._cv, self._thread, self._closed, self._abort, self.busy = threading.Condition(), None, False, False, 0
         self.calls, self.batch_sizes = 0, collections.Counter()
@@ -304,7 +309,8 @@ class Batcher:
     def stats(self) -> dict:
         return {"queued": self._queued, "max_queue": self.max_queue, "max_batch": self.max_batch, "busy": bool(self.busy),
                 "generate_calls": self.calls, "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
-                "compiled": _compiled_programs(self.lm)}
+                "compiled": _compiled_programs(self.lm), "continuous": self.continuous, "rows_busy": len(self._active),
+                "decode_calls": self.decode_calls}
 
 # %% ../nbs/10_serve.ipynb #cb6e8b97
 @patch
@@ -619,17 +625,132 @@ def _run_stream(self: Batcher, job: Job):
         results += got
     push(("done", _best(job, results)))
 
+# %% ../nbs/10_serve.ipynb #660b66cc
+@patch
+def _continuous(self: Batcher, job: Job) -> bool:
+    "Whether `job` runs in the slots: nothing the slots do not compute (log-probabilities, best-of), rows that fit."
+    return (self.continuous and job.logprobs is None and job.best_of == job.n and job.max_tokens != 0
+            and job.size <= self.max_batch)
+
+@patch
+def _next(self: Batcher) -> list[Job] | None:
+    """The jobs to start now: those at the head of the queue that fit in the free rows (gathered for `batch_wait_ms`
+    when no row runs); or one the slots do not run, once no row runs. None: closed, and nothing runs."""
+    with self._cv:
+        while not self._queue and not self._closed and not self._active: self._cv.wait()
+        if self._closed: return [] if self._active else None
+        deadline = time.monotonic() + (0 if self._active else self.batch_wait)
+        while not self._closed and sum(j.size for j in self._queue) < self.max_batch - len(self._active):
+            if (left := deadline - time.monotonic()) <= 0: break
+            self._cv.wait(left)
+        take, free = [], self.max_batch - len(self._active)
+        while self._queue:
+            job = self._queue[0]
+            if not self._continuous(job):
+                if not take and not self._active: take.append(self._queue.popleft())
+                break
+            if job.size > free: break
+            take.append(self._queue.popleft()); free -= job.size
+        self._queued -= sum(j.size for j in take)
+        return take
+
+# %% ../nbs/10_serve.ipynb #b41f3732
+@patch
+def _join(self: Batcher, jobs: list[Job]):
+    "Start `jobs` in free rows: those with the same stop sequences in one prefill."
+    if self.slots is None or (not self._active and self.slots.lora is not self.lm.lora):   # new adapters: new slots
+        self.slots = Slots(self.lm, self.max_batch)
+    ready = []
+    for job in jobs:
+        if job.cancelled: continue
+        try:
+            if job.ids is None: self._encode(job)
+            ready.append(job)
+        except RequestError as e: self._fail(job, e)
+        except Exception as e: self._fail(job, RequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}", "prompt"))
+    groups = {}
+    for job in ready: groups.setdefault(job.stop, []).append(job)
+    for group in groups.values(): self._add(group)
+
+@patch
+def _add(self: Batcher, jobs: list[Job]):
+    rows = [(j, i) for j in jobs for i in range(j.size)]
+    options = self._options(rows); del options["top_logprobs"]
+    try: taken = self.slots.add([j.ids[i] for j, i in rows], **options)
+    except ValueError as e:
+        if len(jobs) == 1: return self._fail(jobs[0], _as_request_error(e))
+        for job in jobs: self._add([job])
+        return
+    self.calls += 1; self.batch_sizes[len(rows)] += 1
+    self._active |= dict(zip(taken, rows))
+    for j in jobs:
+        j._progress = ([None] * j.size, [""] * j.size)
+        if j.stream: self._send(j, j._events.put_nowait, ("start", [self._prompt_text(j.prompt(r)) for r in range(j.size)]))
+    self.busy = len(self._active)
+
+# %% ../nbs/10_serve.ipynb #173acb68
+@patch
+def _push_text(self: Batcher, job: Job, i: int, text: str, final: bool):
+    "Send row `i` of streamed `job` the part of `text` it has not had (all of it, cut at a stop, if `final`)."
+    stops = list(job.stop or ())
+    text, hit = cut_at_stop(text, stops)
+    if not (hit or final): text = text.rstrip("\ufffd"); text = text[:len(text) - _held(text, stops)]
+    sent = job._progress[1]
+    if len(text) > len(sent[i]) and text.startswith(sent[i]):
+        self._send(job, job._events.put_nowait, ("text", i, text[len(sent[i]):])); sent[i] = text
+
+@patch
+def _ended(self: Batcher, job: Job, i: int, f):
+    "Row `i` of `job` ended as `f` (a `Finished`): its result; the job's answer once its last row has one."
+    results = job._progress[0]
+    if job.stream: self._push_text(job, i, f.text, True)
+    results[i] = dict(text=f.text, finish_reason=f.finish_reason, completion_tokens=len(f.tokens),
+                      prompt_tokens=len(job.ids[i]), prompt_text=self._prompt_text(job.prompt(i)))
+    if any(r is None for r in results): return
+    if job.stream: self._send(job, job._events.put_nowait, ("done", _best(job, results)))
+    else: self._send(job, _resolve, job._done, _best(job, results))
+
+# %% ../nbs/10_serve.ipynb #8f03d3c2
+@patch
+def _advance(self: Batcher):
+    "One device call for every running row; then the rows that ended, and the streams' new text."
+    gone = {id(j): j for j, _ in self._active.values() if self._stopping([j], j.stream)}
+    for r in [r for r, (j, _) in self._active.items() if id(j) in gone]: self.slots.drop(r); del self._active[r]
+    self._stopped(list(gone.values()))
+    if self._active:
+        try: ended = self.slots.step(self.steps_per_call)
+        except Exception as e:   # a bug or a device error: fail what runs, keep serving
+            for job in {id(j): j for j, _ in self._active.values()}.values():
+                self._fail(job, RequestError(f"{type(e).__name__}: {e}", status=500, type="server_error"))
+            self._active, self.slots, ended = {}, None, []
+        self.decode_calls += 1
+        for f in ended: self._ended(*self._active.pop(f.row), f)
+        for r, (job, i) in self._active.items():
+            if job.stream: self._push_text(job, i, token_text(self.lm, self.slots.tokens(r), self.slots.eos), False)
+    self.busy = len(self._active)
+
 # %% ../nbs/10_serve.ipynb #26e647a1
 @patch
+def _run_static(self: Batcher, jobs: list[Job]):
+    "Run `jobs` as `generate` calls (one streamed job, or plain ones), to the end."
+    self.busy = sum(j.size for j in jobs)
+    try:
+        if jobs[0].stream: self._run_stream(jobs[0])
+        else: self._run_batch(jobs)
+    except Exception as e:   # a bug or a device error: fail this batch, keep serving
+        for job in jobs: self._fail(job, RequestError(f"{type(e).__name__}: {e}", status=500, type="server_error"))
+    finally: self.busy = 0
+
+@patch
 def _work(self: Batcher):
-    while (jobs := self._take()) is not None:
-        self.busy = len(jobs)
-        try:
-            if jobs[0].stream: self._run_stream(jobs[0])
-            else: self._run_batch(jobs)
-        except Exception as e:   # a bug or a device error: fail this batch, keep serving
-            for job in jobs: self._fail(job, RequestError(f"{type(e).__name__}: {e}", status=500, type="server_error"))
-        finally: self.busy = 0
+    if not self.continuous:
+        while (jobs := self._take()) is not None: self._run_static(jobs)
+        return
+    while (jobs := self._next()) is not None:
+        if jobs and not self._continuous(jobs[0]): self._run_static(jobs)   # alone, once no row runs
+        else:
+            if jobs: self._join(jobs)
+            self._advance()
 
 # %% ../nbs/10_serve.ipynb #71426826
 @patch
@@ -803,10 +924,10 @@ async def _respond(batcher: Batcher, request: Request, job: Job, meta: dict, pla
 
 # %% ../nbs/10_serve.ipynb #201d8ca6
 def make_app(lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, model_name="meshtx", steps_per_call=8,
-             cors_origins=(), chat_template=None, max_request_bytes=MAX_REQUEST_BYTES) -> Starlette:
+             cors_origins=(), chat_template=None, max_request_bytes=MAX_REQUEST_BYTES, continuous=True) -> Starlette:
     """The Starlette app serving `lm`: `/complete`, `/v1/completions`, `/v1/chat/completions`, `/v1/models` and `/stats`.
     `chat_template`: a Jinja chat template (default: the tokenizer's own); `max_request_bytes`: the largest body read."""
-    batcher = Batcher(lm, max_batch, batch_wait_ms, max_queue, steps_per_call)
+    batcher = Batcher(lm, max_batch, batch_wait_ms, max_queue, steps_per_call, continuous)
     n_ctx, created = lm.config.n_ctx, int(time.time())
     read = lambda request: _read_json(request, max_request_bytes)
 

@@ -387,3 +387,33 @@ def test_new_stop_shapes_compile_nothing_new(server):
     for stop in (["a b c d e"], ["q", "rr", "sss"], [f"stop{i}" for i in range(16)], ["a longer stop string, of some words"]):
         assert ask(stop).status_code == 200
     assert server.stats()["compiled"] == before, (before, server.stats()["compiled"])
+
+
+def test_a_short_request_does_not_wait_for_a_long_one(server, demo):
+    """Continuous batching: a 3-token request sent while a 480-token stream runs is answered while the stream still
+    runs (in a row of its own, joining between two device calls), and neither changes the other's text."""
+    long = {"prompt": PROMPTS[4], "max_tokens": 480, "temperature": 0, "stream": True}
+    pieces, started, finished = [], threading.Event(), []
+    def stream():
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    pieces.append(json.loads(line[6:])["choices"][0]["text"]); started.set()
+        finished.append("long")
+    with ThreadPoolExecutor(1) as ex:
+        running = ex.submit(stream)
+        assert started.wait(120)
+        short = server.post("/v1/completions", json={"prompt": PROMPTS[5], "max_tokens": 3, "temperature": 0})
+        finished.append("short")
+        running.result(300)
+    assert finished == ["short", "long"]
+    assert short.json()["choices"][0]["text"] == greedy(demo, PROMPTS[5], 3).texts[0]
+    assert "".join(pieces) == greedy(demo, PROMPTS[4], 480).texts[0]
+    stats = server.stats()
+    assert stats["continuous"] and stats["decode_calls"] > 0, stats
+
+
+def test_static_batching_is_a_flag(tmp_path):
+    exe = shutil.which("meshtx") or str(Path(sys.executable).parent / "meshtx")
+    r = subprocess.run([exe, "serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert "--static-batching" in r.stdout and "Continuous batching" in r.stdout
