@@ -14,7 +14,7 @@ def test_scale_prints_every_row(tmp_path):
     out = tmp_path / "rows.jsonl"
     r = subprocess.run([sys.executable, str(SCALE), "--layers", "1", "--d-model", "256", "--n-head", "4", "--vocab", "1024",
                         "--repeats", "1", "--new", "8", "--max-rss", "4", "--timeout", "120", "--cache", str(tmp_path / "cache"),
-                        "--json", str(out)], capture_output=True, text=True, timeout=175)
+                        "--json", str(out)], capture_output=True, text=True, timeout=480)   # ~24 processes, each importing JAX or torch
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = r.stdout.splitlines()
     start = lines.index("| row | figure | meshtx | HF | ratio | target | met? | note |")
