@@ -426,6 +426,13 @@ def _held(text, stop_strings):
     "How many characters at the end of `text` could begin a stop string (not to be shown until the next tokens tell)."
     return max((n for s in stop_strings for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
 
+def _shown(text, stop_strings, final: bool) -> str:
+    "What a stream may show of a row's `text`: cut at a stop string; unless `final`, less a half-decoded character and what may begin a stop."
+    text, hit = cut_at_stop(text, stop_strings)
+    if hit or final: return text
+    text = text.rstrip("\ufffd")
+    return text[:len(text) - _held(text, stop_strings)]
+
 # %% ../nbs/05_sampling.ipynb #4fea86a6
 class Stream:
     """What `generate(stream=True)` returns: an iterator of `(row, new text)` pieces, `chunk` decode steps per device
@@ -442,10 +449,7 @@ class Stream:
         for state in _chunks(lm, run, state, B, eos, stop_strings, chunk):
             out, length, done = (_host(x) for x in (state.out, state.length, state.done))
             for i in range(B):
-                text, hit = cut_at_stop(token_text(lm, out[i, :length[i]].tolist(), eos), stop_strings)
-                if not (hit or done[i]):   # hold back a half-decoded character, and what may be a stop string's start
-                    text = text.rstrip("\ufffd")
-                    text = text[:len(text) - _held(text, stop_strings)]
+                text = _shown(token_text(lm, out[i, :length[i]].tolist(), eos), stop_strings, done[i])
                 if len(text) > len(sent[i]) and text.startswith(sent[i]):
                     yield i, text[len(sent[i]):]; sent[i] = text
         g = _finish(lm, state, B, eos, stops, stop_strings, False, k)

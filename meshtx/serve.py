@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from .lm import LM
-from .sampling import cut_at_stop, token_text, model_logprobs, _held
+from .sampling import cut_at_stop, token_text, model_logprobs, _shown
 from .slots import Slots
 import numpy as np
 import jax, jax.numpy as jnp
@@ -692,10 +692,7 @@ def _add(self: Batcher, jobs: list[Job]):
 @patch
 def _push_text(self: Batcher, job: Job, i: int, text: str, final: bool):
     "Send row `i` of streamed `job` the part of `text` it has not had (all of it, cut at a stop, if `final`)."
-    stops = list(job.stop or ())
-    text, hit = cut_at_stop(text, stops)
-    if not (hit or final): text = text.rstrip("\ufffd"); text = text[:len(text) - _held(text, stops)]
-    sent = job._progress[1]
+    text, sent = _shown(text, list(job.stop or ()), final), job._progress[1]
     if len(text) > len(sent[i]) and text.startswith(sent[i]):
         self._send(job, job._events.put_nowait, ("text", i, text[len(sent[i]):])); sent[i] = text
 
