@@ -14,6 +14,7 @@ one at a time (HF's side too), and prints one table:
 | decode1 | batch-1 decode tokens/s | ≥ 1.25× HF's; ≥ 50 % of the limit that the measured read bandwidth sets |
 | prefill | 1 × 512 forward, tokens/s | ≥ HF's |
 | decode16 | batch-16 decode tokens/s | ≥ HF's |
+| slots | continuous batching (`meshtx.slots`, the server's engine): 16 greedy requests of mixed lengths in 8 rows, against `generate` in FIFO batches of 8 (meshtx both sides) | throughput and mean latency ≥ / ≤ generate's; equal tokens; peak ≤ weights + cache + 2 GB |
 | lora128, lora512 | one LoRA step (rank 8, batch 1, remat) at seq 128 / 512 | runs; measured peak within 10 % of `plan` |
 | train | one full fine-tune step (f32 masters, AdamW, remat), as many layers as fit the budget | runs; peak within 10 % of `plan` |
 | plan | `meshtx.plan` against XLA's compiled memory analysis, infer / LoRA / train | within 10 % |
@@ -55,7 +56,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 MARK = "@@scale-result "
-ROWS = ["load", "convert", "logits", "generate", "decode1", "prefill", "decode16", "lora128", "lora512", "train", "plan", "bin"]
+ROWS = ["load", "convert", "logits", "generate", "decode1", "prefill", "decode16", "slots", "lora128", "lora512", "train", "plan", "bin"]
 GB = 1e9
 FORMAT = 1   # the checkpoint's recipe; a cached checkpoint written by another recipe is written again
 SEED = 1234
@@ -547,7 +548,73 @@ def child_plan(a, s):
     return out
 
 
-CHILDREN = {"write": child_write, "write-bin": child_write_bin, "bandwidth": child_bandwidth, "load": child_load,
+def child_slots(a, s):
+    """Continuous batching: `2 × a.batch` requests of mixed prompt and output lengths, all waiting at t = 0, served
+    FIFO by `Slots` (`a.batch` rows, each request joining as soon as a row is free) and by `generate` in FIFO batches
+    of `a.batch` (each batch waits for its longest). Greedy, no end-of-text, so the lengths are the ones asked for."""
+    import numpy as np, jax, types
+    from meshtx.slots import Slots
+    out = setup("meshtx")
+    lm, out["load_seconds"] = load_meshtx(a.ckpt)
+    R, rng = a.batch, np.random.default_rng([PROMPT_SEED, a.batch])
+    V = min(s["n_vocab"], 50257)
+    prompts = [rng.integers(0, V, rng.integers(8, 33)).tolist() for _ in range(2 * R)]
+    news = rng.integers(2, a.new + 1, 2 * R).tolist()
+    t0 = time.perf_counter()
+    slots = Slots(lm, rows=R, eos_token_id=None)
+    jax.block_until_ready(slots.state)
+    out.update(rows=R, init_seconds=time.perf_counter() - t0, cache_bytes=2 * slots.state.cache.k.nbytes, max_len=slots.max_len,
+               peak_after_init=peak())
+    fns, repacks = slots._fns, [0]
+    def repack(*args):
+        repacks[0] += 1
+        return fns.repack(*args)
+    slots._fns = types.SimpleNamespace(join=fns.join, decode=fns.decode, repack=repack)
+
+    def continuous():
+        waiting, who, got, ends, t0 = list(range(len(prompts))), {}, {}, {}, time.perf_counter()
+        while waiting or any(slots.busy):
+            take, waiting = waiting[:len(slots.free())], waiting[len(slots.free()):]
+            if take:
+                for r, i in zip(slots.add([prompts[i] for i in take], max_new_tokens=[news[i] for i in take], temperature=0), take):
+                    who[r] = i
+            for f in slots.step(8):
+                got[who[f.row]], ends[who[f.row]] = f.tokens, time.perf_counter() - t0
+        return time.perf_counter() - t0, got, ends
+
+    def static():
+        got, ends, t0 = {}, {}, time.perf_counter()
+        for b in range(0, len(prompts), R):
+            g = lm.generate(prompts[b:b + R], max_new_tokens=news[b:b + R], temperature=0, eos_token_id=None)
+            for j, toks in enumerate(g.tokens): got[b + j], ends[b + j] = list(toks), time.perf_counter() - t0
+        return time.perf_counter() - t0, got, ends
+
+    tokens = sum(news)
+    for name, run in (("slots", continuous), ("static", static)):
+        first, _, _ = run()                                     # compilation included
+        best = min((run() for _ in range(a.repeats)), key=lambda x: x[0])
+        wall, got, ends = best
+        out[name] = dict(first_seconds=first, seconds=wall, tokens_per_s=tokens / wall, mean_latency=float(np.mean(list(ends.values()))),
+                         max_latency=max(ends.values()), tokens=[got[i] for i in range(len(prompts))])
+    out["repacks"] = repacks[0]
+    a_, b_ = out["slots"].pop("tokens"), out["static"].pop("tokens")
+    out["equal_requests"] = sum(x == y for x, y in zip(a_, b_))
+    out["requests"], out["new_tokens"] = len(prompts), tokens
+    out["lengths_ok"] = all(len(x) == n for x, n in zip(a_, news))
+    # a repack of a full set of rows, forced: its time, and what it adds to the high-water mark
+    slots.add(prompts[:R], max_new_tokens=a.new, temperature=0)
+    slots.step(4)
+    before, ts = peak(), []
+    for _ in range(2):   # the first may compile
+        t0 = time.perf_counter()
+        slots.state = fns.repack(slots.state, np.asarray(slots.busy))
+        jax.block_until_ready(slots.state)
+        ts.append(time.perf_counter() - t0)
+    out.update(repack_seconds=ts[-1], repack_peak_rise=peak() - before, peak=peak())
+    return out
+
+
+CHILDREN = {"slots": child_slots, "write": child_write, "write-bin": child_write_bin, "bandwidth": child_bandwidth, "load": child_load,
             "hf-convert": child_hf_convert, "roundtrip": child_roundtrip, "logits": child_logits,
             "generate": child_generate, "decode": child_decode, "prefill": child_prefill, "lora": child_lora,
             "train": child_train, "plan": child_plan}
@@ -798,6 +865,24 @@ def summarize(row, rs: dict, W: int, s: dict, ctx: dict) -> list:
                                     f"reads (not the embedding table)" if ht else
                                     f"{read * mt / bw:.0%} counting only the {read / GB:.2f} GB a step reads (not the embedding table)"))
             else: out.append(fig(row, "share of the read-bandwidth limit", "not measured", target="≥ 50 %", met=False if not mt else None))
+    elif row == "slots":
+        if ok(m):
+            sl, st = m["slots"], m["static"]
+            out.append(fig(row, f"throughput, {m['requests']} requests in {m['rows']} rows (meshtx: slots; HF column: generate in FIFO batches)",
+                           sl["tokens_per_s"], st["tokens_per_s"], "tok/s", sl["tokens_per_s"] / st["tokens_per_s"],
+                           "≥ generate's", sl["tokens_per_s"] >= st["tokens_per_s"],
+                           note=f"{m['new_tokens']} new tokens; first runs (compiles included) {sl['first_seconds']:.1f} / {st['first_seconds']:.1f} s; "
+                                f"{m['repacks']} repack(s) on the way"))
+            out.append(fig(row, "mean latency s (all requests waiting at t = 0)", sl["mean_latency"], st["mean_latency"], "s",
+                           st["mean_latency"] / sl["mean_latency"], "≤ generate's", sl["mean_latency"] <= st["mean_latency"],
+                           note=f"longest {sl['max_latency']:.3g} / {st['max_latency']:.3g} s"))
+            out.append(fig(row, "greedy tokens equal generate's", f"{m['equal_requests']}/{m['requests']} requests",
+                           target="all (each of the asked length)", met=m["equal_requests"] == m["requests"] and m["lengths_ok"]))
+            cache = m["cache_bytes"]
+            out.append(fig(row, f"peak RSS GB (weights {w:.2f}, cache {cache / GB:.2f}: {m['rows']} rows × {m['max_len']} slots)", m["peak"] / GB,
+                           unit="GB", target=f"≤ weights + cache + 2 = {(W + cache) / GB + 2:.2f}", met=m["peak"] <= W + cache + 2 * GB,
+                           note=f"a forced repack took {m['repack_seconds']:.2f} s and raised the high-water mark by "
+                                f"{m['repack_peak_rise'] / GB:.2f} GB"))
     elif row in ("lora128", "lora512", "train"):
         if ok(m) and row == "train" and not m.get("layers"):
             out.append(fig(row, "layers that fit", "none", target="runs", met=False,
@@ -973,6 +1058,8 @@ def main(argv=None):
                 b = "1" if row == "decode1" else "16"
                 if hf: rs["hf"] = runner.child(row, "hf", "decode", "--ckpt", str(st), "--batch", b, "--new", str(args.new))
                 rs["meshtx"] = runner.child(row, "meshtx", "decode", "--ckpt", str(st), "--batch", b, "--new", str(args.new))
+            elif row == "slots":
+                rs["meshtx"] = runner.child(row, "meshtx", "slots", "--ckpt", str(st), "--batch", "8", "--new", str(min(args.new, 48)))
             elif row in ("lora128", "lora512"):
                 rs["meshtx"] = runner.child(row, "meshtx", "lora", "--ckpt", str(st), "--seq", row[4:])
             elif row == "train":

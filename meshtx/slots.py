@@ -81,9 +81,12 @@ def _repack(state: State, keep) -> State:
     "Move each kept (`keep` `[B]`) row's valid slots to its front, in order; the other rows' are freed."
     c = state.cache
     valid = c.valid & keep[:, None]
-    order = jnp.argsort(~valid, axis=1, stable=True)                     # valid slots first, in order
+    order = jnp.argsort(~valid, axis=1, stable=True)[None, :, None, :, None]   # valid slots first, in order
+    def layer(l, buf):   # layer `l`'s slots, moved in place
+        x = _slot_major(jax.lax.dynamic_index_in_dim(buf, l))
+        return jax.lax.dynamic_update_index_in_dim(buf, _chunked(jnp.take_along_axis(x, order, axis=3), c.chunk), l, 0)
+    move = lambda buf: jax.lax.fori_loop(0, buf.shape[0], layer, buf)
     count = valid.sum(1, dtype=jnp.int32)
-    move = lambda buf: _chunked(jnp.take_along_axis(_slot_major(buf), order[None, :, None, :, None], axis=3), c.chunk)
     valid = jnp.arange(c.max_len)[None] < count[:, None]
     return state._replace(cache=KVCache(move(c.k), move(c.v), valid, count.max(), c.next_pos))
 

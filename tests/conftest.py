@@ -57,13 +57,13 @@ def _free_port():
 
 @pytest.fixture(scope="session")
 def gcs_bucket():
-    """A real GCS emulator (gcp-storage-emulator) on 127.0.0.1 for the session; yields a `gs://` bucket URL.
+    """A real GCS emulator (gcp-storage-emulator, with the move API it lacks: tests/gcs_emulator.py) on 127.0.0.1 for
+    the session; yields a `gs://` bucket URL.
 
     The environment variables are set before gcsfs is first used, and are inherited by subprocesses."""
-    import shutil, subprocess, sys, time, urllib.request
+    import subprocess, sys, time, urllib.request
     port = _free_port()
-    exe = shutil.which("gcp-storage-emulator") or str(Path(sys.executable).parent / "gcp-storage-emulator")
-    proc = subprocess.Popen([exe, "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory",
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "gcs_emulator.py"), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory",
                              "--default-bucket", "meshtx-test"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 30

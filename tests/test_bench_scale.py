@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 SCALE = Path(__file__).parent.parent / "bench" / "scale.py"
-ROWS = ["load", "convert", "logits", "generate", "decode1", "prefill", "decode16", "lora128", "lora512", "train", "plan", "bin"]
+ROWS = ["load", "convert", "logits", "generate", "decode1", "prefill", "decode16", "slots", "lora128", "lora512", "train", "plan", "bin"]
 
 
 @pytest.mark.slow
