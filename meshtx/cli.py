@@ -429,7 +429,7 @@ def cmd_serve(args) -> int:
           announce=f"meshtx: serving {name}: {lm}",   # once bound, with the real port (--port 0), also with -q
           max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms, max_queue=args.max_queue,
           cors_origins=args.cors_origin or (), chat_template=template, max_request_bytes=int(args.max_request_mb * 2**20),
-          continuous=not args.static_batching)
+          continuous=not args.static_batching, slot_len=args.slot_len)
     return 0
 
 # %% ../nbs/12_cli.ipynb #34b29509
@@ -458,6 +458,7 @@ def _add_serve(sub):
     s.add_argument("--max-batch", type=_positive, default=8, help="most prompts decoded together; a request with more runs as several calls (default 8)")
     s.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long to gather requests into a batch (default 5)")
     s.add_argument("--static-batching", action="store_true", help="decode whole batches of the requests that arrive together, streams one at a time, instead of continuous batching")
+    s.add_argument("--slot-len", type=_positive, default=None, help="tokens (prompt and new) each continuous-batching row holds; a longer request runs alone as a batch (default: as many as half the memory free at start holds, at most n_ctx)")
     s.add_argument("--max-queue", type=_positive, default=64, help="most prompts waiting; more are refused with 503 (default 64)")
     s.add_argument("--cors-origin", action="append", help="allow browser requests from this origin (repeatable)")
     s.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's own)")

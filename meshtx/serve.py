@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from .lm import LM
 from .sampling import cut_at_stop, token_text, model_logprobs, _shown
-from .slots import Slots
+from .slots import Slots, slot_length
 import numpy as np
 import jax, jax.numpy as jnp
 
@@ -295,10 +295,13 @@ def _compiled_programs(lm) -> int | None:
 class Batcher:
     """Runs `Job`s on `lm` from one worker thread, `max_batch` prompts at a time. `continuous`: in `Slots`, where a job
     joins as soon as a row is free; otherwise as `generate` batches of the prompts that arrive within `batch_wait_ms`."""
-    def __init__(self, lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, steps_per_call=8, continuous=True):
+    def __init__(self, lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, steps_per_call=8, continuous=True,
+                 slot_len=None):
         if max_batch < 1 or max_queue < 1: raise ValueError("max_batch and max_queue must be at least 1")
         self.lm, self.max_batch, self.batch_wait, self.max_queue = lm, max_batch, batch_wait_ms / 1000, max_queue
         self.steps_per_call, self.continuous = steps_per_call, continuous
+        # each row's slots: by default as many as half the memory free now holds (a longer request runs as `generate`)
+        self.slot_len = (slot_len or slot_length(lm, max_batch)) if continuous else None
         self.slots, self._active, self.decode_calls = None, {}, 0   # the slots, and what runs in them: {row: (job, i)}
         self._queue, self._queued = collections.deque(), 0
         self._cv, self._thread, self._closed, self._abort, self.busy = threading.Condition(), None, False, False, 0
@@ -309,7 +312,8 @@ class Batcher:
     def stats(self) -> dict:
         return {"queued": self._queued, "max_queue": self.max_queue, "max_batch": self.max_batch, "busy": bool(self.busy),
                 "generate_calls": self.calls, "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
-                "compiled": _compiled_programs(self.lm), "continuous": self.continuous, "rows_busy": len(self._active),
+                "compiled": _compiled_programs(self.lm), "continuous": self.continuous, "slot_len": self.slot_len,
+                "rows_busy": len(self._active),
                 "decode_calls": self.decode_calls}
 
 # %% ../nbs/10_serve.ipynb #cb6e8b97
@@ -630,7 +634,8 @@ def _run_stream(self: Batcher, job: Job):
 def _continuous(self: Batcher, job: Job) -> bool:
     "Whether `job` runs in the slots: nothing the slots do not compute (log-probabilities, best-of), rows that fit."
     return (self.continuous and job.logprobs is None and job.best_of == job.n and job.max_tokens != 0
-            and job.size <= self.max_batch)
+            and job.size <= self.max_batch
+            and (job.ids is None or job.max_tokens is None or max(map(len, job.ids)) + job.max_tokens <= self.slot_len))
 
 @patch
 def _next(self: Batcher) -> list[Job] | None:
@@ -659,7 +664,7 @@ def _next(self: Batcher) -> list[Job] | None:
 def _join(self: Batcher, jobs: list[Job]):
     "Start `jobs` in free rows: those with the same stop sequences in one prefill."
     if self.slots is None or (not self._active and self.slots.lora is not self.lm.lora):   # new adapters: new slots
-        self.slots = Slots(self.lm, self.max_batch)
+        self.slots = Slots(self.lm, self.max_batch, self.slot_len)
     ready = []
     for job in jobs:
         if job.cancelled: continue
@@ -921,10 +926,11 @@ async def _respond(batcher: Batcher, request: Request, job: Job, meta: dict, pla
 
 # %% ../nbs/10_serve.ipynb #201d8ca6
 def make_app(lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, model_name="meshtx", steps_per_call=8,
-             cors_origins=(), chat_template=None, max_request_bytes=MAX_REQUEST_BYTES, continuous=True) -> Starlette:
+             cors_origins=(), chat_template=None, max_request_bytes=MAX_REQUEST_BYTES, continuous=True,
+             slot_len=None) -> Starlette:
     """The Starlette app serving `lm`: `/complete`, `/v1/completions`, `/v1/chat/completions`, `/v1/models` and `/stats`.
     `chat_template`: a Jinja chat template (default: the tokenizer's own); `max_request_bytes`: the largest body read."""
-    batcher = Batcher(lm, max_batch, batch_wait_ms, max_queue, steps_per_call, continuous)
+    batcher = Batcher(lm, max_batch, batch_wait_ms, max_queue, steps_per_call, continuous, slot_len)
     n_ctx, created = lm.config.n_ctx, int(time.time())
     read = lambda request: _read_json(request, max_request_bytes)
 

@@ -12,7 +12,7 @@ import numpy as np
 import jax, jax.numpy as jnp
 from fastcore.basics import patch
 from jax.sharding import NamedSharding, PartitionSpec as P_
-from .model import KVCache, gptj, no_hint
+from .model import KVCache, gptj, no_hint, cache_dtype
 from .sharding import activation_hint
 from .sampling import (Options, State, choose, model_logprobs, stopped, stop_table, cut_at_stop, token_text,
                              per_row, _row_options, _bias_rows, _top_bucket, _bucket, _fit, _on_weights, _encode_prompts,
@@ -20,7 +20,7 @@ from .sampling import (Options, State, choose, model_logprobs, stopped, stop_tab
 if TYPE_CHECKING: from meshtx.lm import LM   # for annotations only: the model is an argument, as in `meshtx.sampling`
 
 # %% auto #0
-__all__ = ['Finished', 'Slots']
+__all__ = ['Finished', 'slot_length', 'Slots']
 
 # %% ../nbs/05a_slots.ipynb #57eba738
 def _decode_rows(apply, state: State, opts: Options, limit, eos, stops, steps):
@@ -122,6 +122,28 @@ class Finished:
     logprobs: list          # the sampler's log-probability of each token
     top_logprobs: list | None = None   # per token `{id: the model's log-probability}`, if the slots compute them
 
+# %% ../nbs/05a_slots.ipynb #39a291d8
+def _free_bytes(lm: LM) -> int | None:
+    "Memory free now for a cache on `lm`'s devices (the least free one's, times their number); None: unknown."
+    devices = list(lm.mesh.devices.flat) if lm.mesh is not None else [jax.devices()[0]]
+    stats = [d.memory_stats() for d in devices]
+    if all(s and "bytes_limit" in s for s in stats):
+        return min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats) * len(devices)
+    if devices[0].platform == "cpu":   # simulated CPU devices share the machine's memory
+        try: return next(int(l.split()[1]) * 1024 for l in open("/proc/meminfo") if l.startswith("MemAvailable:"))
+        except (OSError, StopIteration): return None
+    return None
+
+def slot_length(lm: LM, rows: int, share: float = 0.5) -> int:
+    """The slots per row of a `rows`-row cache that takes at most `share` of the memory free now: a power of two, at most
+    `n_ctx` rounded up to one (enough for any request), and at least 64."""
+    c = lm.config
+    per_slot = 2 * c.n_layer * c.d_model * jnp.dtype(cache_dtype(c)).itemsize * rows
+    most, free = _bucket(c.n_ctx), _free_bytes(lm)
+    if free is None or most * per_slot <= share * free: return most
+    n = int(share * free // per_slot)
+    return max(64, 1 << n.bit_length() - 1) if n else 64
+
 # %% ../nbs/05a_slots.ipynb #9b959271
 _OPTIONS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
             "frequency_penalty": 0.0, "seed": 0}   # each row's `Options`, and the value of a free row
@@ -134,8 +156,9 @@ class Slots:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1: raise ValueError(f"invalid rows={rows!r}: at least 1")
         if lm.mesh is not None: rows = -(-rows // (n := lm.mesh.shape["dp"] * lm.mesh.shape["fsdp"])) * n
         V, n_ctx = lm.config.n_vocab, lm.config.n_ctx
-        self.lm, self.rows, self.max_len = lm, rows, max_len or _bucket(n_ctx)
-        if self.max_len < _bucket(n_ctx): raise ValueError(f"max_len={max_len} cannot hold every prompt: at least {_bucket(n_ctx)}")
+        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2):
+            raise ValueError(f"invalid max_len={max_len!r}: at least 2 slots per row")
+        self.lm, self.rows, self.max_len = lm, rows, max_len or slot_length(lm, rows)
         self.top_logprobs, self.k = top_logprobs, _top_bucket(top_logprobs, V) if top_logprobs is not None else 0
         eos = lm.eos_token_id if eos_token_id == "auto" else eos_token_id
         self.eos = -1 if eos is None else int(eos)
@@ -175,8 +198,12 @@ def add(self: Slots, prompts, max_new_tokens=64, temperature=1.0, top_k=None, to
     bias, (stops, strings) = _bias_rows(logit_bias, n, lm.config.n_vocab), stop_table(lm, stop)
     ids, free = _fit(lm, ids, o["max_new_tokens"], truncate), self.free()
     if n > len(free): raise ValueError(f"{n} prompts, but only {len(free)} of the {B} rows are free")
+    for i, p in enumerate(ids):
+        if len(p) + o["max_new_tokens"][i] > self.max_len:
+            raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={o['max_new_tokens'][i]} that exceeds the "
+                             f"{self.max_len} slots of a row (make the slots with a larger max_len, or use generate)")
     least = 2 if jax.default_backend() == "cpu" and lm.config.compute_dtype != "float32" else 1   # as `generate`
-    k, P = _bucket(n, least), _bucket(max(map(len, ids)))
+    k, P = _bucket(n, least), min(_bucket(max(map(len, ids))), self.max_len)
     if lm.mesh is not None: k = -(-k // (m := lm.mesh.shape["dp"] * lm.mesh.shape["fsdp"])) * m   # as the cache splits
     tokens, mask, at = np.zeros((k, P), np.int32), np.zeros((k, P), np.int32), np.full(k, B, np.int32)
     for i, p in enumerate(ids): tokens[i, P - len(p):] = p; mask[i, P - len(p):] = 1

@@ -417,3 +417,23 @@ def test_static_batching_is_a_flag(tmp_path):
     exe = shutil.which("meshtx") or str(Path(sys.executable).parent / "meshtx")
     r = subprocess.run([exe, "serve", "--help"], capture_output=True, text=True, timeout=60)
     assert "--static-batching" in r.stdout and "Continuous batching" in r.stdout
+
+
+def test_a_request_longer_than_a_row_runs_as_generate(demo):
+    """Rows hold `slot_len` tokens (by default what half the free memory holds): a request that needs more runs alone
+    as a `generate` batch, and gets the same text; the short ones beside it run in the rows."""
+    import asyncio
+    from meshtx.serve import Batcher, Job
+    b = Batcher(demo, max_batch=2, slot_len=32)
+    b.start()
+    try:
+        async def ask():
+            jobs = [Job([PROMPTS[0]], max_tokens=40, temperature=0), Job([PROMPTS[1]], max_tokens=5, temperature=0)]
+            return await asyncio.gather(*(b.complete(j) for j in jobs))
+        long, short = asyncio.run(ask())
+    finally: b.close()
+    assert long[0]["text"] == greedy(demo, PROMPTS[0], 40).texts[0]
+    assert short[0]["text"] == greedy(demo, PROMPTS[1], 5).texts[0]
+    stats = b.stats()
+    assert stats["slot_len"] == 32 and stats["decode_calls"] > 0 and stats["generate_calls"] >= 2, stats
+    assert Batcher(demo).stats()["slot_len"] == demo.config.n_ctx   # all of n_ctx (512): this machine has the memory

@@ -1,4 +1,5 @@
 """meshtx.slots: continuous batching gives each prompt what `generate` gives it alone, whatever the order of joins."""
+import types
 import numpy as np
 import pytest
 import jax
@@ -129,9 +130,53 @@ def test_programs_compile_once_per_shape(lm):
 def test_bad_input_is_named(lm):
     slots = Slots(lm, rows=2)
     with pytest.raises(ValueError, match="invalid rows=0"): Slots(lm, rows=0)
-    with pytest.raises(ValueError, match="max_len=64 cannot hold every prompt"): Slots(lm, max_len=64)
+    with pytest.raises(ValueError, match="invalid max_len=1"): Slots(lm, max_len=1)
+    short = Slots(lm, rows=2, max_len=16)
+    with pytest.raises(ValueError, match="prompt 1 has 10 tokens; with max_new_tokens=8 that exceeds the 16 slots of a row"):
+        short.add([[1] * 4, [1] * 10], max_new_tokens=8)
+    assert short.free() == [0, 1]
     with pytest.raises(ValueError, match="only 2 of the 2 rows are free"): slots.add([[1]] * 3)
     with pytest.raises(ValueError, match="invalid temperature=-1"): slots.add([[1]], temperature=-1)
     with pytest.raises(ValueError, match="exceeds n_ctx=128"): slots.add([[1] * 100], max_new_tokens=40)
     with pytest.raises(ValueError, match="outside"): slots.add([[CFG.n_vocab]])
     assert slots.free() == [0, 1] and not any(slots.busy)   # nothing was taken
+
+
+def test_short_rows_give_what_generate_gives(lm):
+    "Rows shorter than n_ctx (the memory a server has) hold any request that fits them, repacked as they fill."
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, CFG.n_vocab, rng.integers(1, 20)).tolist() for _ in range(6)]
+    news = [12, 3, 20, 7, 1, 15]
+    want = [lm.generate([p], max_new_tokens=n, temperature=0, eos_token_id=None).tokens[0] for p, n in zip(prompts, news)]
+    s, got, who, waiting = Slots(lm, rows=2, max_len=40, eos_token_id=None), {}, {}, list(range(6))
+    while waiting or any(s.busy):
+        while waiting and s.free():
+            i = waiting.pop(0); who[s.add([prompts[i]], max_new_tokens=news[i], temperature=0)[0]] = i
+        got |= {who[f.row]: f.tokens for f in s.step(4)}
+    assert [got[i] for i in range(6)] == want
+
+
+def test_the_default_length_fits_the_memory_free(lm):
+    from meshtx.slots import slot_length, _free_bytes
+    free = _free_bytes(lm)
+    assert free and free > 0
+    assert slot_length(lm, 4) == 128                          # the tiny model: all of n_ctx, whatever the machine
+    big = types.SimpleNamespace(config=ModelConfig(n_layer=1, d_model=4096, n_head=16, rotary_dim=64, n_vocab=64, n_ctx=2048), mesh=None)
+    per_slot = 2 * 4096 * 4 * 8                                # float32 keys and values of one slot of 8 rows
+    n = slot_length(big, 8, share=2048 * per_slot * 4 / free)  # room for 4 × the cache: all of it
+    assert n == 2048, n
+    n = slot_length(big, 8, share=300 * per_slot / free)       # room for 300 slots: 256
+    assert n == 256, n
+    assert slot_length(big, 8, share=1 / free) == 64           # no room: the least
+
+
+def test_the_cache_is_held_once(lm):
+    "The slots hold one cache, not a copy beside the empty one they start from (at GPT-J-6B's 8 × 2048: 7.5 GB each)."
+    live = lambda: sum(x.nbytes for x in jax.live_arrays())
+    before = live()
+    s = Slots(lm, rows=4)
+    cache = s.state.cache.k.nbytes + s.state.cache.v.nbytes
+    assert live() - before < 1.2 * cache, (live() - before, cache)
+    s.add([[1, 2, 3]], max_new_tokens=4, temperature=0)
+    s.step(2)
+    assert live() - before < 1.2 * cache, (live() - before, cache)
