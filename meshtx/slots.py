@@ -168,8 +168,9 @@ class Slots:
                                     z((B, V), bool), z((B, V), jnp.int32), jnp.ones((B,), bool), z((B,), jnp.int32),
                                     z((), jnp.int32), *(z((B, N if k else 0) + s, t) for s, t in
                                                         (((), jnp.float32), ((k,), jnp.int32), ((k,), jnp.float32))))
-        # made by a program, like every state after it: the first join then compiles what the next ones reuse
-        self.state = jax.jit(empty)(_compiled(lm).empty_cache(B, N))
+        # made by a program, like every state after it: the first join then compiles what the next ones reuse; the
+        # empty cache is donated to it, or the state would start as a second cache beside it
+        self.state = jax.jit(empty, donate_argnums=0)(_compiled(lm).empty_cache(B, N))
         self._opts = {n: np.full(B, v, per_row(n, None, 1).dtype) for n, v in _OPTIONS.items()}
         self._bias, self._limit = np.zeros((B, V), np.float32), np.ones(B, np.int32)
         self._stops = np.repeat(stop_table(lm, None)[0][None], B, 0)
