@@ -63,8 +63,8 @@ def gcs_bucket():
     The environment variables are set before gcsfs is first used, and are inherited by subprocesses."""
     import subprocess, sys, time, urllib.request
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "gcs_emulator.py"), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory",
-                             "--default-bucket", "meshtx-test"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "gcs_emulator.py"), "start", "--host", "127.0.0.1",
+                             "--port", str(port), "--in-memory", "--default-bucket", "meshtx-test"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 30
     while True:

@@ -1,6 +1,6 @@
 """gcp-storage-emulator with GCS's `objects.move` API (`POST .../b/B/o/SRC/moveTo/o/DST`), which it lacks.
 
-gcsfs (2025.x on) moves an object with that one call and, answered 501 by the emulator, retries it for about 34 s
+gcsfs (2026.10.1 here) moves an object with that one call and, answered 501 by the emulator, retries it for about 34 s
 before it falls back to a copy and a delete: every `fs.mv` in a test cost half a minute. Here a move is what GCS
 documents it to be, within one bucket: the object under its new name (copied whole, checksums and all), the old name
 gone. Run as the emulator's own command line: `python tests/gcs_emulator.py start --host ... --port ...`."""

@@ -184,7 +184,7 @@ def test_the_cache_is_held_once():
         lm = LM.init(ModelConfig(n_layer=2, d_model=4096, n_head=16, rotary_dim=64, d_ff=64, n_vocab=512, n_ctx=2048))
         jax.block_until_ready(_compiled(lm).empty_cache(8, 2048))
         before = hwm()
-        s = Slots(lm, rows=8)
+        s = Slots(lm, rows=8, max_len=2048)
         s.add([[1, 2, 3]], max_new_tokens=4, temperature=0)
         s.step(2)
         jax.block_until_ready(s.state)
