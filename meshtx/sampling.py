@@ -138,25 +138,28 @@ def _prefill(apply, params, tokens, mask, cache, vocab):
     return cache, logits[:, -1], seen
 
 # %% ../nbs/05_sampling.ipynb #bfaea558
-def _decode(apply, state: State, opts: Options, limit, eos, stops, until):
+def _decode(apply, state: State, opts: Options, limit, eos, stops, until, tops_for=None):
+    "Decode until step `until`, or until every row is done; each live row writes its token at its own `length`."
+    B, N = state.out.shape
+    rows = jnp.arange(B)
     def cond(s): return (s.step < until) & ~s.done.all()
     def body(s):
-        token, lp = choose(s.logits, s.seen, s.counts, opts, s.length)   # a live row's length is the step
-        live, rows = ~s.done, jnp.arange(s.done.shape[0])
+        token, lp = choose(s.logits, s.seen, s.counts, opts, s.length)   # keyed by each row's own step
+        live = ~s.done
         token = jnp.where(live, token, eos)
-        out = s.out.at[:, s.step].set(token)
-        logp = s.logp.at[:, s.step].set(jnp.where(live, lp, 0.0))
+        at = jnp.where(live, s.length, N)                                  # a done row writes nothing
+        out, logp = s.out.at[rows, at].set(token, mode="drop"), s.logp.at[rows, at].set(lp, mode="drop")
         length = s.length + live
         done = s.done | (live & ((token == eos) | (length >= limit) | stopped(out, length, stops)))
-        seen, counts = s.seen.at[rows, token].set(True), s.counts.at[rows, token].add(live.astype(jnp.int32))
+        seen, counts = s.seen.at[rows, token].max(live), s.counts.at[rows, token].add(live.astype(jnp.int32))
         tops = (s.model_lp, s.top_ids, s.top_lp)
-        if s.top_ids.shape[-1]:   # asked for (a static shape): the model's own log-probabilities, and the k likeliest
-            tops = tuple(a.at[:, s.step].set(b) for a, b in zip(tops, model_logprobs(s.logits, token, s.top_ids.shape[-1])))
-        logits, cache = apply_one(s.cache, token)
-        return State(cache, logits, out, logp, seen, counts, done, length, s.step + 1, *tops)
-    def apply_one(cache, token):
-        logits, cache = apply(token[:, None], cache)
-        return logits[:, 0], cache
+        if s.top_ids.shape[-1]:   # room for them (a static shape): the model's own log-probabilities, and the k likeliest
+            def fill(tops):
+                new = model_logprobs(s.logits, token, s.top_ids.shape[-1])
+                return tuple(a.at[rows, at].set(b, mode="drop") for a, b in zip(tops, new))
+            tops = fill(tops) if tops_for is None else jax.lax.cond((tops_for & live).any(), fill, lambda t: t, tops)
+        logits, cache = apply(token[:, None], live[:, None], s.cache)     # a done row's slot: not valid
+        return State(cache, logits[:, 0], out, logp, seen, counts, done, length, s.step + 1, *tops)
     return jax.lax.while_loop(cond, body, state)
 
 # %% ../nbs/05_sampling.ipynb #bd741b22
@@ -236,7 +239,7 @@ class _Compiled:
         self.prefill = jax.jit(lambda params, layers, tokens, mask, cache:
                                _prefill(partial(model.apply, layers=layers), params, tokens, mask, cache, V), donate_argnums=4)
         def decode(params, layers, state, opts, limit, eos, stops, until):
-            apply = lambda tok, cache: model.apply(params, tok, None, cache, layers=layers)
+            apply = lambda tok, live, cache: model.apply(params, tok, live, cache, layers=layers)
             return _decode(apply, state, opts, limit, eos, stops, until)
         self.decode = jax.jit(decode, donate_argnums=2, compiler_options=_LOOP_OPTIONS.get(jax.default_backend()))
         self.config, self.mesh, self._empty = lm.config, lm.mesh, {}

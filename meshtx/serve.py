@@ -439,13 +439,14 @@ def _prompt_text(self: Batcher, p):
 # %% ../nbs/10_serve.ipynb #0c3ce58c
 @patch
 def _options(self: Batcher, rows: list) -> dict:
-    "`generate`'s per-row options for `rows`, `(job, row)` pairs: row `i` of a job samples with its seed + i."
-    wants = [j.logprobs or 0 for j, _ in rows if j.logprobs is not None or j.best_of > j.n]   # the model's log-probabilities
+    """`generate`'s per-row options for `rows`, `(job, row)` pairs: row `i` of a job samples with its seed + i. A row's
+    `top_logprobs` is the alternatives its job asks for (0: the chosen token's alone, which `best_of` ranks by; None: none)."""
+    wants = [(j.logprobs or 0) if j.logprobs is not None or j.best_of > j.n else None for j, _ in rows]
     return dict(max_new_tokens=[j.max_tokens for j, _ in rows], temperature=[j.temperature for j, _ in rows],
                 top_p=[j.top_p for j, _ in rows], top_k=[j.top_k for j, _ in rows],
                 repetition_penalty=[j.repetition_penalty for j, _ in rows], seed=[(j.seed + i) % 2**32 for j, i in rows],
                 presence_penalty=[j.presence_penalty for j, _ in rows], frequency_penalty=[j.frequency_penalty for j, _ in rows],
-                logit_bias=[j.logit_bias for j, _ in rows], top_logprobs=max(wants) if wants else None,
+                logit_bias=[j.logit_bias for j, _ in rows], top_logprobs=wants,
                 stop=list(rows[0][0].stop) if rows[0][0].stop else None)
 
 # %% ../nbs/10_serve.ipynb #a28d2163
@@ -475,7 +476,10 @@ def _stopped(self: Batcher, jobs: list[Job]):
 def _open(self: Batcher, rows: list, stream=False):
     "Start one `generate` call for `rows` (at most `max_batch`): `steps_per_call` tokens per device call, 4× that if plain."
     steps = self.steps_per_call * (1 if stream else 4)   # plain: fewer host round trips; still stops soon after its clients go
-    pieces = self.lm.generate([j.ids[i] for j, i in rows], stream=True, steps_per_call=steps, **self._options(rows))
+    options = self._options(rows)
+    asks = [k for k in options["top_logprobs"] if k is not None]   # `generate` computes one number for the whole batch
+    options["top_logprobs"] = max(asks) if asks else None
+    pieces = self.lm.generate([j.ids[i] for j, i in rows], stream=True, steps_per_call=steps, **options)
     self.calls += 1; self.batch_sizes[len(rows)] += 1
     return pieces
 
@@ -576,19 +580,23 @@ def _best(job: Job, results: list[dict]) -> list[dict]:
 
 # %% ../nbs/10_serve.ipynb #9b649ee7
 @patch
+def _ready(self: Batcher, job: Job) -> bool:
+    """Whether `job` goes on to decode: tokenized (if it was queued by hand), its prompts scored (`echo` with `logprobs`).
+    False: it is answered already (refused, cancelled, or `max_tokens=0`)."""
+    if job.cancelled: return False
+    try:
+        if job.ids is None: self._encode(job)   # (`complete` has: this is for a job queued by hand)
+    except RequestError as e: self._fail(job, e); return False
+    except Exception as e: self._fail(job, RequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}", "prompt")); return False
+    if job.echo and job.logprobs is not None:   # the prompts scored, once each
+        job.scores = [self._prompt_logprobs(job.ids[r], job.logprobs) for r in range(0, job.size, job.best_of)]
+    if job.max_tokens == 0:
+        self._send(job, _resolve, job._done, _best(job, [self._prompt_only(job, r) for r in range(job.size)])); return False
+    return True
+
+@patch
 def _run_batch(self: Batcher, jobs: list[Job]):
-    ready = []
-    for job in jobs:
-        if job.cancelled: continue
-        try:
-            if job.ids is None: self._encode(job)   # (`complete` has: this is for a job queued by hand)
-        except RequestError as e: self._fail(job, e); continue
-        except Exception as e: self._fail(job, RequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}", "prompt")); continue
-        if job.echo and job.logprobs is not None:   # the prompts scored, once each
-            job.scores = [self._prompt_logprobs(job.ids[r], job.logprobs) for r in range(0, job.size, job.best_of)]
-        if job.max_tokens == 0: self._send(job, _resolve, job._done, _best(job, [self._prompt_only(job, r) for r in range(job.size)]))
-        else: ready.append(job)
-    for group in _groups(ready, self.lm.config.n_ctx): self._generate(group)
+    for group in _groups([j for j in jobs if self._ready(j)], self.lm.config.n_ctx): self._generate(group)
 
 # %% ../nbs/10_serve.ipynb #1b59ab48
 @patch
@@ -631,10 +639,14 @@ def _run_stream(self: Batcher, job: Job):
 
 # %% ../nbs/10_serve.ipynb #660b66cc
 @patch
+def _rows(self: Batcher, job: Job) -> int:
+    "The rows `job` takes in the slots: one per prompt and sample, none if it only scores its prompts (`max_tokens=0`)."
+    return 0 if job.max_tokens == 0 else job.size
+
+@patch
 def _continuous(self: Batcher, job: Job) -> bool:
-    "Whether `job` runs in the slots: nothing the slots do not compute (log-probabilities, best-of), rows that fit."
-    return (self.continuous and job.logprobs is None and job.best_of == job.n and job.max_tokens != 0
-            and job.size <= self.max_batch
+    "Whether `job` runs in the slots: at most `max_batch` rows, each of them fitting in a row's slots."
+    return (self.continuous and self._rows(job) <= self.max_batch
             and (job.ids is None or job.max_tokens is None or max(map(len, job.ids)) + job.max_tokens <= self.slot_len))
 
 @patch
@@ -654,8 +666,8 @@ def _next(self: Batcher) -> list[Job] | None:
             if not self._continuous(job):
                 if not take and not self._active: take.append(self._queue.popleft())
                 break
-            if job.size > free: break
-            take.append(self._queue.popleft()); free -= job.size
+            if self._rows(job) > free: break
+            take.append(self._queue.popleft()); free -= self._rows(job)
         self._queued -= sum(j.size for j in take)
         return take
 
@@ -664,24 +676,16 @@ def _next(self: Batcher) -> list[Job] | None:
 def _join(self: Batcher, jobs: list[Job]):
     "Start `jobs` in free rows: those with the same stop sequences in one prefill."
     if self.slots is None or (not self._active and self.slots.lora is not self.lm.lora):   # new adapters: new slots
-        self.slots = Slots(self.lm, self.max_batch, self.slot_len)
-    ready = []
-    for job in jobs:
-        if job.cancelled: continue
-        try:
-            if job.ids is None: self._encode(job)
-            ready.append(job)
-        except RequestError as e: self._fail(job, e)
-        except Exception as e: self._fail(job, RequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}", "prompt"))
+        self.slots = Slots(self.lm, self.max_batch, self.slot_len, top_logprobs=MAX_LOGPROBS)
     groups = {}
-    for job in ready: groups.setdefault(job.stop, []).append(job)
+    for job in jobs:
+        if self._ready(job): groups.setdefault(job.stop, []).append(job)
     for group in groups.values(): self._add(group)
 
 @patch
 def _add(self: Batcher, jobs: list[Job]):
     rows = [(j, i) for j in jobs for i in range(j.size)]
-    options = self._options(rows); del options["top_logprobs"]
-    try: taken = self.slots.add([j.ids[i] for j, i in rows], **options)
+    try: taken = self.slots.add([j.ids[i] for j, i in rows], **self._options(rows))
     except ValueError as e:
         if len(jobs) == 1: return self._fail(jobs[0], _as_request_error(e))
         for job in jobs: self._add([job])
@@ -706,8 +710,9 @@ def _ended(self: Batcher, job: Job, i: int, f):
     "Row `i` of `job` ended as `f` (a `Finished`): its result; the job's answer once its last row has one."
     results = job._progress[0]
     if job.stream: self._push_text(job, i, f.text, True)
-    results[i] = dict(text=f.text, finish_reason=f.finish_reason, completion_tokens=len(f.tokens),
-                      prompt_tokens=len(job.ids[i]), prompt_text=self._prompt_text(job.prompt(i)))
+    r = dict(text=f.text, finish_reason=f.finish_reason, completion_tokens=len(f.tokens),
+             prompt_tokens=len(job.ids[i]), prompt_text=self._prompt_text(job.prompt(i)))
+    results[i] = r | (self._scored(job, i, f.tokens, f.top_logprobs, r) if f.top_logprobs is not None else {})
     if any(r is None for r in results): return
     if job.stream: self._send(job, job._events.put_nowait, ("done", _best(job, results)))
     else: self._send(job, _resolve, job._done, _best(job, results))

@@ -14,37 +14,13 @@ from fastcore.basics import patch
 from jax.sharding import NamedSharding, PartitionSpec as P_
 from .model import KVCache, gptj, no_hint, cache_dtype
 from .sharding import activation_hint
-from .sampling import (Options, State, choose, model_logprobs, stopped, stop_table, cut_at_stop, token_text,
+from .sampling import (Options, State, stop_table, cut_at_stop, token_text,
                              per_row, _row_options, _bias_rows, _top_bucket, _bucket, _fit, _on_weights, _encode_prompts,
-                             _first_stop, _ends_with, _host, _compiled, _LOOP_OPTIONS)
+                             _first_stop, _ends_with, _host, _compiled, _decode, _LOOP_OPTIONS)
 if TYPE_CHECKING: from meshtx.lm import LM   # for annotations only: the model is an argument, as in `meshtx.sampling`
 
 # %% auto #0
 __all__ = ['Finished', 'slot_length', 'Slots']
-
-# %% ../nbs/05a_slots.ipynb #57eba738
-def _decode_rows(apply, state: State, opts: Options, limit, eos, stops, steps):
-    "Up to `steps` decode steps (fewer once every row is done); each row writes its token at its own `length`."
-    B, N = state.out.shape
-    rows = jnp.arange(B)
-    def cond(c): return (c[0] < steps) & ~c[1].done.all()
-    def body(c):
-        i, s = c
-        token, lp = choose(s.logits, s.seen, s.counts, opts, s.length)   # keyed by each row's own step
-        live = ~s.done
-        token = jnp.where(live, token, eos)
-        at = jnp.where(live, s.length, N)                                  # a done row writes nothing
-        out, logp = s.out.at[rows, at].set(token, mode="drop"), s.logp.at[rows, at].set(lp, mode="drop")
-        length = s.length + live
-        done = s.done | (live & ((token == eos) | (length >= limit) | stopped(out, length, stops)))
-        seen, counts = s.seen.at[rows, token].max(live), s.counts.at[rows, token].add(live.astype(jnp.int32))
-        tops = (s.model_lp, s.top_ids, s.top_lp)
-        if s.top_ids.shape[-1]:   # the model's own log-probabilities, and the k likeliest
-            new = model_logprobs(s.logits, token, s.top_ids.shape[-1])
-            tops = tuple(a.at[rows, at].set(b, mode="drop") for a, b in zip(tops, new))
-        logits, cache = apply(token[:, None], live[:, None], s.cache)     # a done row's slot: not valid
-        return i + 1, State(cache, logits[:, 0], out, logp, seen, counts, done, length, s.step + 1, *tops)
-    return jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))[1]
 
 # %% ../nbs/05a_slots.ipynb #4ba5fcc0
 def _slot_major(buf):
@@ -98,9 +74,9 @@ class _Programs:
         model, cfg = gptj(lm.config, hint, lm.lora), lm.config
         self.join = jax.jit(lambda params, layers, state, small, tokens, mask, rows:
                             _join(model, cfg, params, layers, state, small, tokens, mask, rows), donate_argnums=2)
-        def decode(params, layers, state, opts, limit, eos, stops, steps):
+        def decode(params, layers, state, opts, limit, eos, stops, steps, tops_for):
             apply = lambda tok, live, cache: model.apply(params, tok, live, cache, layers=layers)
-            return _decode_rows(apply, state, opts, limit, eos, stops, steps)
+            return _decode(apply, state, opts, limit, eos, stops, state.step + steps, tops_for)
         self.decode = jax.jit(decode, donate_argnums=2, compiler_options=_LOOP_OPTIONS.get(jax.default_backend()))
         self.repack = jax.jit(_repack, donate_argnums=0)
 
@@ -155,7 +131,7 @@ class Slots:
                  eos_token_id="auto"):
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1: raise ValueError(f"invalid rows={rows!r}: at least 1")
         if lm.mesh is not None: rows = -(-rows // (n := lm.mesh.shape["dp"] * lm.mesh.shape["fsdp"])) * n
-        V, n_ctx = lm.config.n_vocab, lm.config.n_ctx
+        V = lm.config.n_vocab
         if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2):
             raise ValueError(f"invalid max_len={max_len!r}: at least 2 slots per row")
         self.lm, self.rows, self.max_len = lm, rows, max_len or slot_length(lm, rows)
@@ -178,6 +154,7 @@ class Slots:
         self.busy = [False] * B                 # a generation runs in the row
         self._strings = [[] for _ in range(B)]  # each row's stop strings, which the host finds in the text
         self._prompt, self._generated = [0] * B, [0] * B
+        self._tops = [None] * B                 # the likeliest tokens each row asked for (None: not asked)
         self._checked, self._out = np.zeros(B, np.int64), np.zeros((B, N), np.int32)
 
     def __repr__(self): return f"Slots({sum(self.busy)} of {self.rows} rows busy, {self.max_len} slots each)"
@@ -187,8 +164,22 @@ class Slots:
 
 # %% ../nbs/05a_slots.ipynb #dcaebc8f
 @patch
+def _asked(self: Slots, top_logprobs, n: int) -> list:
+    "Each of `n` rows' ask for likeliest tokens (None: none), one value or one per row, within what the slots offer."
+    asks = list(top_logprobs) if isinstance(top_logprobs, (list, tuple, np.ndarray)) else [top_logprobs] * n
+    if len(asks) != n: raise ValueError(f"top_logprobs has {len(asks)} values for {n} prompts")
+    for k in asks:
+        if k is None: continue
+        _top_bucket(k, self.lm.config.n_vocab)   # an integer in range, or a ValueError that says so
+        if self.top_logprobs is None:
+            raise ValueError(f"top_logprobs={k}: these slots offer none (make them with Slots(lm, top_logprobs=...))")
+        if k > self.top_logprobs: raise ValueError(f"top_logprobs={k}: these slots offer at most {self.top_logprobs}")
+    return [None if k is None else int(k) for k in asks]
+
+@patch
 def add(self: Slots, prompts, max_new_tokens=64, temperature=1.0, top_k=None, top_p=None, repetition_penalty=None,
-        presence_penalty=None, frequency_penalty=None, seed=0, logit_bias=None, stop=None, truncate=None) -> list[int]:
+        presence_penalty=None, frequency_penalty=None, seed=0, logit_bias=None, stop=None, truncate=None,
+        top_logprobs=None) -> list[int]:
     "Start `prompts` (with options, as for `generate`) in free rows, in one prefill: the rows they took, in order."
     lm, B = self.lm, self.rows
     ids = _encode_prompts(lm, prompts)
@@ -196,7 +187,7 @@ def add(self: Slots, prompts, max_new_tokens=64, temperature=1.0, top_k=None, to
     o = _row_options(n, temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                      max_new_tokens=max_new_tokens, seed=seed)
-    bias, (stops, strings) = _bias_rows(logit_bias, n, lm.config.n_vocab), stop_table(lm, stop)
+    bias, (stops, strings), tops = _bias_rows(logit_bias, n, lm.config.n_vocab), stop_table(lm, stop), self._asked(top_logprobs, n)
     ids, free = _fit(lm, ids, o["max_new_tokens"], truncate), self.free()
     if n > len(free): raise ValueError(f"{n} prompts, but only {len(free)} of the {B} rows are free")
     for i, p in enumerate(ids):
@@ -213,7 +204,7 @@ def add(self: Slots, prompts, max_new_tokens=64, temperature=1.0, top_k=None, to
     for i, r in enumerate(free[:n]):
         for name in _OPTIONS: self._opts[name][r] = max(o[name][i], 0) if name == "top_k" else o[name][i]
         self._bias[r], self._limit[r], self._stops[r], self._strings[r] = bias[i], o["max_new_tokens"][i], stops, strings
-        self.busy[r], self._checked[r], self._prompt[r], self._generated[r] = True, 0, len(ids[i]), 0
+        self.busy[r], self._checked[r], self._prompt[r], self._generated[r], self._tops[r] = True, 0, len(ids[i]), 0, tops[i]
     self._device = None
     return free[:n]
 
@@ -230,10 +221,11 @@ def _room(self: Slots, steps: int) -> int:
 
 @patch
 def _on_devices(self: Slots):
-    "The rows' `Options`, limits and stop tables on the devices (sent again only after a row joined)."
+    "The rows' `Options`, limits, stop tables and asks for top log-probabilities on the devices (sent again only after a row joined)."
     if self._device is None:
         opts = Options(*(self._opts[n] for n in _OPTIONS), self._bias)
-        self._device = jax.device_put((opts, self._limit, self._stops),
+        tops_for = np.array([b and t is not None for b, t in zip(self.busy, self._tops)])
+        self._device = jax.device_put((opts, self._limit, self._stops, tops_for),
                                       None if self.lm.mesh is None else NamedSharding(self.lm.mesh, P_()))
     return self._device
 
@@ -242,9 +234,9 @@ def _on_devices(self: Slots):
 def step(self: Slots, steps: int = 8) -> list[Finished]:
     "Decode every busy row up to `steps` tokens, in one device call; the generations that ended."
     if not any(self.busy): return []
-    opts, limit, stops = self._on_devices()
+    opts, limit, stops, tops_for = self._on_devices()
     steps = self._room(steps)
-    self.state = self._call(self._fns.decode, self.state, opts, limit, self.eos, stops, steps)
+    self.state = self._call(self._fns.decode, self.state, opts, limit, self.eos, stops, steps, tops_for)
     out, length, done = (np.array(_host(x)) for x in (self.state.out, self.state.length, self.state.done))
     ended, hits = [], False
     for r in range(self.rows):
@@ -266,10 +258,9 @@ def _finish(self: Slots, r: int, toks: list) -> Finished:
     self.busy[r] = False
     text, hit = cut_at_stop(token_text(self.lm, toks, self.eos), self._strings[r])
     ended = hit or (bool(toks) and toks[-1] == self.eos) or _ends_with(toks, self._stops[r])
-    lps, tops = _host(self.state.logp[r, :len(toks)]).tolist(), None
-    if self.k:
+    lps, tops, k = _host(self.state.logp[r, :len(toks)]).tolist(), None, self._tops[r]
+    if k is not None:   # of the bucket computed, the likeliest the row asked for
         chosen, ids, lp = (_host(x[r, :len(toks)]) for x in (self.state.model_lp, self.state.top_ids, self.state.top_lp))
-        k = self.top_logprobs   # of the `k` computed (a bucket), the likeliest asked for
         tops = [dict(zip(ids[t, :k].tolist(), lp[t, :k].tolist())) | {toks[t]: float(chosen[t])} for t in range(len(toks))]
     return Finished(r, text, toks, "stop" if ended else "length", lps, tops)
 

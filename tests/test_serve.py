@@ -405,9 +405,20 @@ def test_a_short_request_does_not_wait_for_a_long_one(server, demo):
         assert started.wait(120)
         short = server.post("/v1/completions", json={"prompt": PROMPTS[5], "max_tokens": 3, "temperature": 0})
         finished.append("short")
+        # scoring (lm-eval's loglikelihood request) and best-of join the rows too: neither waits for the stream
+        scored = server.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 0, "echo": True, "logprobs": 1})
+        best = server.post("/v1/completions", json={"prompt": PROMPTS[3], "max_tokens": 3, "best_of": 2, "logprobs": 2, "seed": 1})
+        finished.append("scored and best")
         running.result(300)
-    assert finished == ["short", "long"]
+    assert finished == ["short", "scored and best", "long"]
     assert short.json()["choices"][0]["text"] == greedy(demo, PROMPTS[5], 3).texts[0]
+    assert scored.status_code == 200 and best.status_code == 200, (scored.text, best.text)
+    lp = scored.json()["choices"][0]["logprobs"]
+    n_prompt = scored.json()["usage"]["prompt_tokens"]
+    assert len(lp["token_logprobs"]) == n_prompt and lp["token_logprobs"][0] is None and None not in lp["token_logprobs"][1:]
+    [choice] = best.json()["choices"]
+    assert len(choice["logprobs"]["tokens"]) == 3 and all(len(t) >= 2 for t in choice["logprobs"]["top_logprobs"])
+    assert best.json()["usage"]["completion_tokens"] == 6   # both samples' tokens are counted
     assert "".join(pieces) == greedy(demo, PROMPTS[4], 480).texts[0]
     stats = server.stats()
     assert stats["continuous"] and stats["decode_calls"] > 0, stats

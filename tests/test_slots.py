@@ -88,18 +88,25 @@ def test_stop_strings_text_and_top_logprobs():
     demo = LM.init("demo")
     prompts = ["Once upon a time", "The meaning of life is", "JAX is"]
     want = demo.generate(prompts, max_new_tokens=40, temperature=0, stop=["e", "\n"], top_logprobs=3)
-    slots = Slots(demo, rows=2, top_logprobs=3)
-    ends = {}
-    rows = slots.add(prompts[:2], max_new_tokens=40, temperature=0, stop=["e", "\n"])
+    slots = Slots(demo, rows=2, top_logprobs=5)   # the most a row may ask for; each row asks for its own, or none
+    ends, asks = {}, [3, None, 3]
+    rows = slots.add(prompts[:2], max_new_tokens=40, temperature=0, stop=["e", "\n"], top_logprobs=asks[:2])
     who = dict(zip(rows, range(2)))
     while len(ends) < 3:
         for f in slots.step(4):
             ends[who[f.row]] = f
-            if 2 not in who.values(): who[slots.add(prompts[2], max_new_tokens=40, temperature=0, stop=["e", "\n"])[0]] = 2
+            if 2 not in who.values():
+                who[slots.add(prompts[2], max_new_tokens=40, temperature=0, stop=["e", "\n"], top_logprobs=3)[0]] = 2
     assert [ends[i].text for i in range(3)] == want.texts and [ends[i].tokens for i in range(3)] == want.tokens
-    for i in range(3):
+    assert ends[1].top_logprobs is None   # the row that did not ask gets none
+    for i in (0, 2):
+        assert len(ends[i].top_logprobs) == len(want.top_logprobs[i])
         for a, b in zip(ends[i].top_logprobs, want.top_logprobs[i]):
             assert a.keys() == b.keys() and np.allclose(list(a.values()), list(b.values()), atol=1e-5)
+    with pytest.raises(ValueError, match="these slots offer at most 5"):
+        slots.add(prompts[0], top_logprobs=6)
+    with pytest.raises(ValueError, match="2 values for 1 prompts"):
+        slots.add(prompts[0], top_logprobs=[1, 2])
 
 
 def test_a_dropped_row_is_free_and_the_next_prompt_is_not_disturbed(lm):
