@@ -3,7 +3,8 @@ import json, os, socket, subprocess, sys, time
 from pathlib import Path
 import pytest
 
-pytestmark = pytest.mark.compat   # also run under jax==0.7.2
+pytestmark = [pytest.mark.compat,   # also run under jax==0.7.2
+              pytest.mark.serial]  # processes that meet in collectives, on deadlines: not beside other tests
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
 

@@ -2,7 +2,7 @@
 # Every test of meshtx, in the order a failure is cheapest to read:
 #   1. the notebooks and the package agree (nbdev-export, nbdev-clean and the README change nothing)
 #   2. the notebooks' lessons (nbdev-test)
-#   3. the system tests (pytest tests/)
+#   3. the system tests (pytest tests/: two workers, then the `serial` ones alone)
 #   4. the widget tests again under ipywidgets 7.7.1 (Colab's), the parity and tokenizer tests under
 #      transformers 4.45 (the oldest allowed), then the parity, sharding and multi-host tests again under
 #      JAX 0.7.2, the version on Colab's TPU image
@@ -28,8 +28,9 @@ done
 echo "== notebook lessons (nbdev-test)"
 nbdev-test --n-workers 2
 
-echo "== system tests (pytest)"
-python -m pytest tests -q
+echo "== system tests (pytest): on both cores (pytest-xdist, a file per worker), then the serial ones alone"
+python -m pytest tests -q -n 2 --dist loadfile -m "not serial"
+python -m pytest tests -q -m serial
 
 echo "== widgets again under ipywidgets 7.7.1 (Colab's version)"
 ipyw="${MESHTX_IPYW771_DIR:-$HOME/.cache/meshtx/ipyw771}"
@@ -56,5 +57,6 @@ if [ "${MESHTX_SKIP_COMPAT:-0}" != 1 ]; then
   fi
   export XLA_FLAGS="$user_xla_flags"
   PYTHONPATH="$overlay" python -c 'import jax; assert jax.__version__ == "0.7.2", jax.__version__; print("jax", jax.__version__)'
-  PYTHONPATH="$overlay" python -m pytest tests -q -m "parity or compat"
+  PYTHONPATH="$overlay" python -m pytest tests -q -n 2 --dist loadfile -m "(parity or compat) and not serial"
+  PYTHONPATH="$overlay" python -m pytest tests -q -m "(parity or compat) and serial"
 fi
