@@ -594,6 +594,7 @@ def _ready(self: Batcher, job: Job) -> bool:
         self._send(job, _resolve, job._done, _best(job, [self._prompt_only(job, r) for r in range(job.size)])); return False
     return True
 
+# %% ../nbs/10_serve.ipynb #9b649ee8
 @patch
 def _run_batch(self: Batcher, jobs: list[Job]):
     for group in _groups([j for j in jobs if self._ready(j)], self.lm.config.n_ctx): self._generate(group)
@@ -649,6 +650,7 @@ def _continuous(self: Batcher, job: Job) -> bool:
     return (self.continuous and self._rows(job) <= self.max_batch
             and (job.ids is None or job.max_tokens is None or max(map(len, job.ids)) + job.max_tokens <= self.slot_len))
 
+# %% ../nbs/10_serve.ipynb #660b66cd
 @patch
 def _next(self: Batcher) -> list[Job] | None:
     """The jobs to start now: those at the head of the queue that fit in the free rows (gathered for `batch_wait_ms`

@@ -176,6 +176,7 @@ def _asked(self: Slots, top_logprobs, n: int) -> list:
         if k > self.top_logprobs: raise ValueError(f"top_logprobs={k}: these slots offer at most {self.top_logprobs}")
     return [None if k is None else int(k) for k in asks]
 
+# %% ../nbs/05a_slots.ipynb #dcaebc90
 @patch
 def add(self: Slots, prompts, max_new_tokens=64, temperature=1.0, top_k=None, top_p=None, repetition_penalty=None,
         presence_penalty=None, frequency_penalty=None, seed=0, logit_bias=None, stop=None, truncate=None,
