@@ -12,8 +12,9 @@ from pathlib import Path
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['DTYPES', 'ATTENTION', 'REMAT_POLICIES', 'CACHE_READS', 'LIMITS', 'LIMIT_WHY', 'PRESETS', 'MTJ_MODEL_KEYS',
-           'MTJ_OTHER_KEYS', 'LORA_TARGETS', 'ModelConfig', 'quiet_transformers', 'LoRAConfig']
+__all__ = ['DTYPES', 'ATTENTION', 'REMAT_POLICIES', 'CACHE_READS', 'FAMILIES', 'FAMILY_NAMES', 'CHOICES', 'LIMITS', 'LIMIT_WHY',
+           'PRESETS', 'HF_CLASSES', 'RUN_FIELDS', 'MTJ_MODEL_KEYS', 'MTJ_OTHER_KEYS', 'LORA_TARGETS', 'ModelConfig',
+           'family_name', 'quiet_transformers', 'LoRAConfig']
 
 # %% ../nbs/00_config.ipynb #ca778efc
 DTYPES = ("float32", "bfloat16", "float16")
@@ -23,16 +24,16 @@ CACHE_READS = ("auto", "chunks", "all")         # how a decoding step reads the 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    "The shape of a GPT-J model, plus the dtypes it is stored and computed in."
+    "The shape of a GPT-J model (or of a model of another family, see below), plus the dtypes it is stored and computed in."
     n_layer: int               # transformer blocks
     d_model: int               # width of the residual stream
     n_head: int                # attention heads
     n_vocab: int               # rows of the embedding / columns of the lm head
     n_ctx: int = 2048          # longest sequence the model is meant for
-    rotary_dim: int = 64       # leading features of each head that get rotary embeddings
+    rotary_dim: int | None = None   # leading features of each head that get rotary embeddings; default: the family's
     d_head: int | None = None  # features per head; default d_model // n_head
     d_ff: int | None = None    # MLP width; default 4 * d_model
-    ln_eps: float = 1e-5       # LayerNorm epsilon
+    ln_eps: float = 1e-5       # LayerNorm (or RMSNorm) epsilon
     param_dtype: str = "float32"    # how parameters are stored
     compute_dtype: str = "float32"  # what the matmuls run in
     remat: bool = False        # recompute each block in the backward pass (saves activation memory)
@@ -42,25 +43,72 @@ class ModelConfig:
     eos_token_id: int | None = None  # the end-of-text token generation stops at; None: `end_of_text`'s default
     bos_token_id: int | None = None  # kept for Hugging Face's config.json; None: the same default
     pad_token_id: int | None = None  # kept for Hugging Face's config.json; None: none
+    # what other families change (the "Families" section below); None: the value `family` gives it
+    family: str = "gptj"       # Hugging Face's model_type: "gptj", "llama", "mistral", "qwen2" or "gpt_neox"
+    n_kv_head: int | None = None    # key/value heads (grouped-query attention when fewer than n_head)
+    norm: str | None = None         # "layernorm" or "rmsnorm"
+    activation: str | None = None   # the MLP's: "gelu_new" (tanh), "gelu" (erf), "silu" or "relu"
+    gated_mlp: bool | None = None   # act(gate(x)) · up(x) (SwiGLU) instead of act(fc_in(x))
+    parallel_residual: bool | None = None  # x + attn(..) + mlp(..) (GPT-J, NeoX) or x + attn(..), then + mlp(..)
+    mlp_norm: bool | None = None    # the MLP reads its own norm, ln_2, instead of sharing ln_1 with attention
+    rotary_style: str | None = None # rotate feature pairs (2i, 2i+1) "pairs" (GPT-J) or (i, i + r/2) "halves"
+    rotary_base: float = 10000.0    # θ of the rotary frequencies θ^(-2i/r) (rope_theta)
+    rope_scaling: str = "none"      # "none", "linear", "dynamic" (NTK) or "llama3"
+    rope_factor: float = 1.0        # the scaling's factor
+    rope_low_freq_factor: float = 1.0    # llama3's
+    rope_high_freq_factor: float = 4.0   # llama3's
+    rope_original_ctx: int | None = None # llama3, dynamic: the context the model was pretrained at; None: n_ctx
+    qkv_bias: bool | None = None    # q, k and v projections have biases
+    out_bias: bool | None = None    # the attention's output projection has a bias
+    mlp_bias: bool | None = None    # the MLP's projections have biases
+    lm_head_bias: bool | None = None
+    tie_embeddings: bool | None = None   # the lm head is the embedding matrix
+    sliding_window: int | None = None    # each token attends to at most this many (itself included); None: all
 
     def __post_init__(self):   # the defaults that follow from other fields, then the checks (next cell)
+        if self.family not in FAMILIES:
+            raise ValueError(f"family={self.family!r} is not one of {tuple(FAMILIES)}")
         if self.d_head is None:
             _check_positive("n_head", self.n_head); _check_positive("d_model", self.d_model)
             if self.d_model % self.n_head:
                 raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
             object.__setattr__(self, "d_head", self.d_model // self.n_head)
         if self.d_ff is None and isinstance(self.d_model, int): object.__setattr__(self, "d_ff", 4 * self.d_model)
+        for f, v in FAMILIES[self.family].items():
+            if getattr(self, f) is None: object.__setattr__(self, f, v(self) if callable(v) else v)
         _validate(self)
+
+# %% ../nbs/00_config.ipynb #fa000002
+_GPTJ = dict(n_kv_head=lambda c: c.n_head, rotary_dim=64, norm="layernorm", activation="gelu_new", gated_mlp=False,
+             parallel_residual=True, mlp_norm=False, rotary_style="pairs", qkv_bias=False, out_bias=False,
+             mlp_bias=True, lm_head_bias=True, tie_embeddings=False)
+_LLAMA = dict(_GPTJ, rotary_dim=lambda c: c.d_head, norm="rmsnorm", activation="silu", gated_mlp=True,
+              parallel_residual=False, mlp_norm=True, rotary_style="halves", mlp_bias=False, lm_head_bias=False)
+FAMILIES = {   # the switches each family sets when a config leaves them None
+    "gptj": _GPTJ,
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": dict(_LLAMA, qkv_bias=True),
+    "gpt_neox": dict(_GPTJ, rotary_dim=lambda c: c.d_head // 4, activation="gelu", mlp_norm=True, rotary_style="halves",
+                     qkv_bias=True, out_bias=True, lm_head_bias=False),
+}
+FAMILY_NAMES = {"gptj": "GPT-J", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gpt_neox": "GPT-NeoX"}
+
+def family_name(config) -> str: return FAMILY_NAMES[config.family]
+
+CHOICES = dict(norm=("layernorm", "rmsnorm"), activation=("gelu_new", "gelu", "silu", "relu"),
+               rotary_style=("pairs", "halves"), rope_scaling=("none", "linear", "dynamic", "llama3"))
 
 # %% ../nbs/00_config.ipynb #d7640b06
 # far above any real model's (GPT-J-6B: 28 layers, 4096 wide, 50400 ids, 2048 positions), far below what would
 # exhaust memory before an error could say why (a config.json with n_layer 10⁹ is a typo or an attack, not a model)
-LIMITS = dict(n_layer=1024, d_model=131072, n_head=4096, d_head=8192, d_ff=1048576, rotary_dim=8192,
+LIMITS = dict(n_layer=1024, d_model=131072, n_head=4096, n_kv_head=4096, d_head=8192, d_ff=1048576, rotary_dim=8192,
               n_vocab=2**31 - 1, n_ctx=2**24)
 LIMIT_WHY = dict(n_layer="the deepest real models have about 128", d_model="the widest real models are about 25,000 wide",
-                 n_head="the most heads in real models are about 128", d_head="real heads are 64 to 256 wide",
-                 d_ff="the widest real MLPs are about 100,000 wide", rotary_dim="at most d_head",
-                 n_vocab="token ids are 32-bit integers", n_ctx="16 M positions; real models have at most about 1 M")
+                 n_head="the most heads in real models are about 128", n_kv_head="at most n_head",
+                 d_head="real heads are 64 to 256 wide", d_ff="the widest real MLPs are about 100,000 wide",
+                 rotary_dim="at most d_head", n_vocab="token ids are 32-bit integers",
+                 n_ctx="16 M positions; real models have at most about 1 M")
 
 def _check_positive(name, value):
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -68,34 +116,68 @@ def _check_positive(name, value):
 
 def _validate(c: ModelConfig):
     "Refuse impossible or absurd shapes with one line naming the field, its value and the limit."
-    for f in ("n_layer", "d_model", "n_head", "n_vocab", "n_ctx", "rotary_dim", "d_head", "d_ff"):
+    for f in ("n_layer", "d_model", "n_head", "n_kv_head", "n_vocab", "n_ctx", "rotary_dim", "d_head", "d_ff"):
         _check_positive(f, getattr(c, f))
         if getattr(c, f) > LIMITS[f]:
             raise ValueError(f"{f}={getattr(c, f)} is larger than meshtx's limit of {LIMITS[f]:,} ({LIMIT_WHY[f]})")
+    if c.n_head % c.n_kv_head:
+        raise ValueError(f"n_kv_head={c.n_kv_head} must divide n_head={c.n_head} (each key/value head serves a group of heads)")
     if c.rotary_dim % 2:
         raise ValueError(f"rotary_dim={c.rotary_dim} must be even (rotary rotates pairs of features)")
     if c.rotary_dim > c.d_head:
         raise ValueError(f"rotary_dim={c.rotary_dim} is larger than d_head={c.d_head}")
-    if not (isinstance(c.ln_eps, (int, float)) and c.ln_eps > 0):
-        raise ValueError(f"ln_eps={c.ln_eps!r} must be a positive number")
-    for f in ("eos_token_id", "bos_token_id", "pad_token_id"):
+    for f in ("ln_eps", "rotary_base", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
         v = getattr(c, f)
+        if isinstance(v, bool) or not (isinstance(v, (int, float)) and 0 < v < float("inf")):
+            raise ValueError(f"{f}={v!r} must be a positive number")
+    if c.rope_scaling == "llama3" and c.rope_high_freq_factor <= c.rope_low_freq_factor:
+        raise ValueError(f"rope_high_freq_factor={c.rope_high_freq_factor} must be above "
+                         f"rope_low_freq_factor={c.rope_low_freq_factor} (llama3 rotary scaling)")
+    for f in ("rope_original_ctx", "sliding_window", "eos_token_id", "bos_token_id", "pad_token_id"):
+        v = getattr(c, f)
+        if f in ("rope_original_ctx", "sliding_window"):
+            if v is not None: _check_positive(f, v)
+            continue
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise ValueError(f"{f}={v!r} must be a token id (an integer ≥ 0) or None")
         if v is not None and v >= 2**31:
             raise ValueError(f"{f}={v} is not a token id: ids are 32-bit (below 2,147,483,648)")
     for f, allowed in (("param_dtype", DTYPES), ("compute_dtype", DTYPES), ("attention", ATTENTION),
-                       ("remat_policy", REMAT_POLICIES), ("cache_read", CACHE_READS)):
+                       ("remat_policy", REMAT_POLICIES), ("cache_read", CACHE_READS), *CHOICES.items()):
         if getattr(c, f) not in allowed:
             raise ValueError(f"{f}={getattr(c, f)!r} is not one of {allowed}")
+    for f in ("gated_mlp", "parallel_residual", "mlp_norm", "qkv_bias", "out_bias", "mlp_bias", "lm_head_bias",
+              "tie_embeddings", "remat"):
+        if not isinstance(getattr(c, f), bool): raise ValueError(f"{f}={getattr(c, f)!r} must be True or False")
+    if not c.parallel_residual and not c.mlp_norm:
+        raise ValueError("parallel_residual=False needs mlp_norm=True: a sequential block's MLP reads its own norm")
 
 # %% ../nbs/00_config.ipynb #10756f99
+_LLAMA3 = dict(family="llama", n_vocab=128256, n_ctx=131072, rotary_base=500000.0, rope_scaling="llama3", rope_factor=32.0,
+               rope_original_ctx=8192, bos_token_id=128000, eos_token_id=128001)
+_QWEN25 = dict(family="qwen2", n_vocab=151936, n_ctx=32768, rotary_base=1000000.0, ln_eps=1e-6, bos_token_id=151643,
+               eos_token_id=151643)
+_PYTHIA = dict(family="gpt_neox", n_vocab=50304, n_ctx=2048, bos_token_id=0, eos_token_id=0)
 PRESETS = {
     "gptj-6b": dict(n_layer=28, d_model=4096, n_head=16, rotary_dim=64, d_ff=16384, n_vocab=50400, n_ctx=2048),
     "small":   dict(n_layer=8, d_model=512, n_head=8, rotary_dim=32, d_ff=2048, n_vocab=50400, n_ctx=1024),
     "demo":    dict(n_layer=4, d_model=256, n_head=8, rotary_dim=16, d_ff=1024, n_vocab=50400, n_ctx=512),
     "tiny":    dict(n_layer=2, d_model=64, n_head=4, rotary_dim=8, d_ff=256, n_vocab=1024, n_ctx=128),
     "demo-bytes": dict(n_layer=3, d_model=128, n_head=4, rotary_dim=16, d_ff=512, n_vocab=257, n_ctx=256),
+    # other families' real sizes (the shapes of their published config.json files)
+    "llama-3.2-1b": dict(_LLAMA3, n_layer=16, d_model=2048, n_head=32, n_kv_head=8, d_ff=8192, tie_embeddings=True),
+    "llama-3.2-3b": dict(_LLAMA3, n_layer=28, d_model=3072, n_head=24, n_kv_head=8, d_ff=8192, tie_embeddings=True),
+    "llama-3.1-8b": dict(_LLAMA3, n_layer=32, d_model=4096, n_head=32, n_kv_head=8, d_ff=14336, rope_factor=8.0),
+    "mistral-7b": dict(family="mistral", n_layer=32, d_model=4096, n_head=32, n_kv_head=8, d_ff=14336, n_vocab=32000,
+                       n_ctx=32768, sliding_window=4096, bos_token_id=1, eos_token_id=2),
+    "qwen2.5-0.5b": dict(_QWEN25, n_layer=24, d_model=896, n_head=14, n_kv_head=2, d_ff=4864, tie_embeddings=True),
+    "qwen2.5-1.5b": dict(_QWEN25, n_layer=28, d_model=1536, n_head=12, n_kv_head=2, d_ff=8960, n_ctx=131072,
+                         tie_embeddings=True),
+    "qwen2.5-7b": dict(_QWEN25, n_layer=28, d_model=3584, n_head=28, n_kv_head=4, d_ff=18944, n_vocab=152064,
+                       n_ctx=131072),
+    "pythia-160m": dict(_PYTHIA, n_layer=12, d_model=768, n_head=12, d_ff=3072),
+    "pythia-1.4b": dict(_PYTHIA, n_layer=24, d_model=2048, n_head=16, d_ff=8192),
+    "pythia-6.9b": dict(_PYTHIA, n_layer=32, d_model=4096, n_head=32, d_ff=16384, n_vocab=50432),
 }
 
 # %% ../nbs/00_config.ipynb #cebcbd52
@@ -126,9 +208,12 @@ def replace(self: ModelConfig, **changes) -> ModelConfig:
 @patch(as_prop=True)
 def n_params(self: ModelConfig) -> int:
     "Number of parameters of the model this config describes."
-    D, H, F, V = self.d_model, self.n_head * self.d_head, self.d_ff, self.n_vocab
-    block = 2 * D + 3 * D * H + H * D + (D * F + F) + (F * D + D)
-    return V * D + self.n_layer * block + 2 * D + (D * V + V)
+    D, Q, KV, F, V = self.d_model, self.n_head * self.d_head, self.n_kv_head * self.d_head, self.d_ff, self.n_vocab
+    norm = D * (2 if self.norm == "layernorm" else 1)                                # scale (and offset)
+    attn = D * Q + 2 * D * KV + Q * D + self.qkv_bias * (Q + 2 * KV) + self.out_bias * D
+    mlp = (3 if self.gated_mlp else 2) * D * F + self.mlp_bias * ((2 if self.gated_mlp else 1) * F + D)
+    head = 0 if self.tie_embeddings else D * V + self.lm_head_bias * V
+    return V * D + self.n_layer * ((1 + self.mlp_norm) * norm + attn + mlp) + norm + head
 
 # %% ../nbs/00_config.ipynb #6de11d45
 @patch(as_prop=True)
@@ -159,45 +244,153 @@ def _hf_dict(hf) -> dict:
         return read_json(p)   # damaged, truncated, not an object, too deep or too big: a ValueError naming the file
     return hf if isinstance(hf, dict) else hf.to_dict()
 
-@patch(cls_method=True)
-def from_hf(cls: ModelConfig, hf, **overrides) -> ModelConfig:
-    "A `ModelConfig` from a `GPTJConfig`, its dict, or a path to a checkpoint dir / config.json."
-    d = _hf_dict(hf)
-    mt = d.get("model_type", "gptj")
-    if mt != "gptj": raise ValueError(f"model_type={mt!r}: meshtx implements GPT-J ('gptj') only")
+def _token(d: dict, name: str):
+    "A checkpoint's own token id, as its config.json names it (what HF's generate uses)."
+    v = d.get(name)
+    if isinstance(v, list):   # Hugging Face allows several end tokens; meshtx stops at one
+        if len(v) > 1: warnings.warn(f"{name}={v}: meshtx uses the first, {v[0]}")
+        v = v[0] if v else None
+    return v
+
+def _tokens(d: dict) -> dict: return {k: _token(d, k) for k in ("eos_token_id", "bos_token_id", "pad_token_id")}
+
+# %% ../nbs/00_config.ipynb #fa000003
+def _from_gptj(d: dict) -> dict:
     act = d.get("activation_function", "gelu_new")
     if act != "gelu_new": raise ValueError(f"activation_function={act!r}: GPT-J uses 'gelu_new'")
     if d.get("tie_word_embeddings", False):
         raise ValueError("tie_word_embeddings=True: GPT-J's lm head is untied from the embedding")
     if d.get("rotary_dim", 64) is None:
         raise ValueError("rotary_dim=None (rotary over the whole hidden size) is not supported; set rotary_dim")
-    n_embd, n_vocab = d.get("n_embd", 4096), d.get("vocab_size", 50400)
-    def token(name):   # the checkpoint's own ids, as its config.json names them (what HF's generate uses)
-        v = d.get(name)
-        if isinstance(v, list):   # Hugging Face allows several end tokens; meshtx stops at one
-            if len(v) > 1: warnings.warn(f"{name}={v}: meshtx uses the first, {v[0]}")
-            v = v[0] if v else None
-        return v
-    return cls.from_dict(dict(
-        n_layer=d.get("n_layer", 28), d_model=n_embd, n_head=d.get("n_head", 16),
-        rotary_dim=d.get("rotary_dim", 64), d_ff=d.get("n_inner") or 4 * n_embd,
-        n_vocab=n_vocab, n_ctx=d.get("n_positions", 2048), ln_eps=d.get("layer_norm_epsilon", 1e-5),
-        eos_token_id=token("eos_token_id"), bos_token_id=token("bos_token_id"), pad_token_id=token("pad_token_id"))
-        | overrides)   # an override wins, even over the checkpoint's value
+    n_embd = d.get("n_embd", 4096)
+    return dict(n_layer=d.get("n_layer", 28), d_model=n_embd, n_head=d.get("n_head", 16), rotary_dim=d.get("rotary_dim", 64),
+                d_ff=d.get("n_inner") or 4 * n_embd, n_vocab=d.get("vocab_size", 50400), n_ctx=d.get("n_positions", 2048),
+                ln_eps=d.get("layer_norm_epsilon", 1e-5))
+
+# %% ../nbs/00_config.ipynb #fa000004
+def _rope(d: dict, defaults: dict) -> dict:
+    """The rotary fields of a Hugging Face config dict: `rope_theta` and `rope_scaling` (transformers 4's names) or
+    `rope_parameters` (5's); keys the file leaves out take its class's `defaults`."""
+    given = any(k in d for k in ("rope_parameters", "rope_theta", "rope_scaling", "rotary_emb_base"))
+    d = d if given else defaults
+    args = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
+    base = args.get("rope_theta", d.get("rope_theta", d.get("rotary_emb_base", 10000.0)))
+    kind = args.get("rope_type", args.get("type", "default"))
+    if kind not in ("default", "linear", "dynamic", "llama3"):
+        raise ValueError(f"rope_scaling type {kind!r} is not supported: meshtx knows 'default', 'linear', 'dynamic' and 'llama3'")
+    out = dict(rotary_base=float(base), rope_scaling="none" if kind == "default" else kind)
+    if kind != "default": out["rope_factor"] = float(args["factor"])
+    if kind == "llama3":
+        out.update(rope_low_freq_factor=float(args.get("low_freq_factor", 1.0)),
+                   rope_high_freq_factor=float(args.get("high_freq_factor", 4.0)),
+                   rope_original_ctx=int(args["original_max_position_embeddings"]))
+    return out
+
+def _partial_rotary(d: dict, defaults: dict) -> float:
+    "The share of each head that NeoX rotates: `rotary_pct` (transformers 4) or `partial_rotary_factor` (5)."
+    for src in (d, defaults):
+        for v in (src.get("rotary_pct"), src.get("partial_rotary_factor"), (src.get("rope_parameters") or {}).get("partial_rotary_factor")):
+            if v is not None: return float(v)
+    return 0.25
+
+# %% ../nbs/00_config.ipynb #fa000005
+HF_CLASSES = {"gptj": ("GPTJConfig", "GPTJForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
+              "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM")}
+
+def _from_llama(d: dict, defaults: dict, family: str) -> dict:
+    "Llama, Mistral and Qwen2 share their config's names; each has its own extras."
+    d = {**defaults, **d}
+    H, D = d["num_attention_heads"], d["hidden_size"]
+    hd = d.get("head_dim") or D // H
+    out = dict(family=family, n_layer=d["num_hidden_layers"], d_model=D, n_head=H, n_kv_head=d.get("num_key_value_heads") or H,
+               d_head=hd, rotary_dim=hd, d_ff=d["intermediate_size"], n_vocab=d["vocab_size"],
+               n_ctx=d["max_position_embeddings"], ln_eps=d["rms_norm_eps"], activation=d["hidden_act"],
+               tie_embeddings=bool(d.get("tie_word_embeddings", False)))
+    if family == "llama":
+        out.update(qkv_bias=bool(d.get("attention_bias", False)), out_bias=bool(d.get("attention_bias", False)),
+                   mlp_bias=bool(d.get("mlp_bias", False)))
+    if family == "mistral": out["sliding_window"] = d.get("sliding_window")
+    if family == "qwen2" and (d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or ())):
+        raise ValueError("use_sliding_window=True: Qwen2's sliding window on some layers only is not supported by meshtx")
+    return out
+
+def _from_neox(d: dict, defaults: dict) -> dict:
+    pct = _partial_rotary(d, defaults)
+    d = {**defaults, **d}
+    H, D = d["num_attention_heads"], d["hidden_size"]
+    return dict(family="gpt_neox", n_layer=d["num_hidden_layers"], d_model=D, n_head=H, rotary_dim=int(D // H * pct),
+                d_ff=d["intermediate_size"], n_vocab=d["vocab_size"], n_ctx=d["max_position_embeddings"],
+                ln_eps=d["layer_norm_eps"], activation=d["hidden_act"], parallel_residual=bool(d["use_parallel_residual"]),
+                qkv_bias=bool(d.get("attention_bias", True)), out_bias=bool(d.get("attention_bias", True)),
+                tie_embeddings=bool(d.get("tie_word_embeddings", False)))
+
+# %% ../nbs/00_config.ipynb #fa000006
+@patch(cls_method=True)
+def from_hf(cls: ModelConfig, hf, **overrides) -> ModelConfig:
+    """A `ModelConfig` from a Hugging Face config (`GPTJConfig`, `LlamaConfig`, `MistralConfig`, `Qwen2Config`,
+    `GPTNeoXConfig`), its dict, or a path to a checkpoint dir / config.json; `model_type` picks the family."""
+    d = _hf_dict(hf)
+    mt = d.get("model_type", "gptj")
+    if mt not in HF_CLASSES:
+        raise ValueError(f"model_type={mt!r}: meshtx implements {', '.join(map(repr, HF_CLASSES))}")
+    if mt == "gptj": fields = _from_gptj(d)
+    else:
+        defaults = getattr(quiet_transformers(), HF_CLASSES[mt][0])().to_dict()   # what the class gives a missing key
+        fields = _from_neox(d, defaults) if mt == "gpt_neox" else _from_llama(d, defaults, mt)
+        fields |= _rope(d, defaults)
+    if fields.get("activation") not in (None, *CHOICES["activation"]):
+        raise ValueError(f"hidden_act={fields['activation']!r} is not supported: meshtx knows {CHOICES['activation']}")
+    return cls.from_dict(fields | _tokens(d) | overrides)   # an override wins, even over the checkpoint's value
 
 # %% ../nbs/00_config.ipynb #005a0cd2
+RUN_FIELDS = ("param_dtype", "compute_dtype", "remat", "remat_policy", "attention", "cache_read")   # how, not what, runs
+
+def _hf_rope(c: ModelConfig):
+    if c.rope_scaling == "none": return None
+    s = dict(rope_type=c.rope_scaling, factor=c.rope_factor)
+    if c.rope_scaling == "llama3":
+        s |= dict(low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor,
+                  original_max_position_embeddings=c.rope_original_ctx or c.n_ctx)
+    return s
+
+def _hf_kwargs(c: ModelConfig) -> dict:
+    "The keyword arguments of the family's Hugging Face config class."
+    if c.family == "gptj":
+        return dict(vocab_size=c.n_vocab, n_positions=c.n_ctx, n_embd=c.d_model, n_layer=c.n_layer, n_head=c.n_head,
+                    rotary_dim=c.rotary_dim, n_inner=c.d_ff, activation_function="gelu_new", layer_norm_epsilon=c.ln_eps,
+                    tie_word_embeddings=False)
+    common = dict(vocab_size=c.n_vocab, hidden_size=c.d_model, intermediate_size=c.d_ff, num_hidden_layers=c.n_layer,
+                  num_attention_heads=c.n_head, max_position_embeddings=c.n_ctx, hidden_act=c.activation,
+                  tie_word_embeddings=c.tie_embeddings, rope_scaling=_hf_rope(c))
+    if c.family == "gpt_neox":
+        return common | dict(layer_norm_eps=c.ln_eps, use_parallel_residual=c.parallel_residual, rotary_emb_base=c.rotary_base,
+                             rotary_pct=c.rotary_dim / c.d_head, attention_bias=c.qkv_bias)
+    out = common | dict(num_key_value_heads=c.n_kv_head, rms_norm_eps=c.ln_eps, rope_theta=c.rotary_base)
+    if c.d_head * c.n_head != c.d_model and c.family != "qwen2": out["head_dim"] = c.d_head
+    if c.family == "llama": out |= dict(attention_bias=c.qkv_bias, mlp_bias=c.mlp_bias)
+    if c.family == "mistral": out["sliding_window"] = c.sliding_window
+    return out
+
 @patch
 def to_hf(self: ModelConfig):
-    "The equivalent `transformers.GPTJConfig`."
-    GPTJConfig = quiet_transformers().GPTJConfig
-    if self.d_head * self.n_head != self.d_model:
+    """The equivalent Hugging Face config (`GPTJConfig`, `LlamaConfig`, ...), for the family's `...ForCausalLM`. A switch
+    the family's class cannot express (a Llama with a parallel residual) is refused, naming it."""
+    if self.family == "gptj" and self.d_head * self.n_head != self.d_model:
         raise ValueError(f"d_head={self.d_head} × n_head={self.n_head} != d_model={self.d_model}: "
                          "Hugging Face's GPT-J requires d_head = d_model / n_head")
     bos = self.bos_token_id if self.bos_token_id is not None else self.end_of_text
-    return GPTJConfig(vocab_size=self.n_vocab, n_positions=self.n_ctx, n_embd=self.d_model, n_layer=self.n_layer,
-                      n_head=self.n_head, rotary_dim=self.rotary_dim, n_inner=self.d_ff, activation_function="gelu_new",
-                      layer_norm_epsilon=self.ln_eps, tie_word_embeddings=False, bos_token_id=bos,
-                      eos_token_id=self.end_of_text, pad_token_id=self.pad_token_id, architectures=["GPTJForCausalLM"])
+    config_class, model_class = HF_CLASSES[self.family]
+    hf = getattr(quiet_transformers(), config_class)(**_hf_kwargs(self), bos_token_id=bos, eos_token_id=self.end_of_text,
+                                                      pad_token_id=self.pad_token_id, architectures=[model_class])
+    back = ModelConfig.from_hf(hf, **{f: getattr(self, f) for f in RUN_FIELDS})
+    wrong = {f: (getattr(self, f), getattr(back, f)) for f in ("family", *FAMILIES["gptj"], "d_head", "d_ff", "rotary_base",
+             "rope_scaling", "rope_factor", "rope_original_ctx", "sliding_window") if getattr(self, f) != getattr(back, f)}
+    if wrong:
+        f, (v, got) = next(iter(wrong.items()))
+        raise ValueError(f"{f}={v!r} cannot be written as Hugging Face's {config_class} (it would read back as {got!r})"
+                         + (f"; also {', '.join(list(wrong)[1:])}" if len(wrong) > 1 else ""))
+    return hf
 
 # %% ../nbs/00_config.ipynb #6383e8e5
 MTJ_MODEL_KEYS = {"layers": "n_layer", "d_model": "d_model", "n_heads": "n_head", "n_vocab": "n_vocab",
@@ -243,7 +436,7 @@ def load(cls: ModelConfig, path) -> ModelConfig:
     return cls.from_dict(d)
 
 # %% ../nbs/00_config.ipynb #93a52080
-LORA_TARGETS = ("q", "k", "v", "out", "fc_in", "fc_out")
+LORA_TARGETS = ("q", "k", "v", "out", "fc_in", "fc_gate", "fc_out")   # fc_gate: gated MLPs only (Llama's)
 
 @dataclass(frozen=True)
 class LoRAConfig:

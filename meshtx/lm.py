@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import jax, jax.numpy as jnp
 from fastcore.basics import patch
-from .config import ModelConfig, LoRAConfig
+from .config import ModelConfig, LoRAConfig, family_name
 from .model import gptj, init_params, no_hint, param_shapes, split_layers, BLOCKS
 from .weights import (load_hf_params, load_params, is_meshtx_checkpoint, checkpoint_files, MESHTX_CONFIG, from_old_layout,
                             SAVE_FILES, write_hf, write_params)
@@ -79,12 +79,14 @@ class LM:
     def __repr__(self):
         c = self.config
         tok = type(self.tokenizer).__name__ if self.tokenizer is not None else None
-        return (f"LM(GPT-J: {c.n_layer} layers × {c.d_model}, {c.n_head} heads, vocab {c.n_vocab}; "
+        heads = f"{c.n_head} heads" + (f" ({c.n_kv_head} kv)" if c.n_kv_head != c.n_head else "")
+        return (f"LM({family_name(c)}: {c.n_layer} layers × {c.d_model}, {heads}, vocab {c.n_vocab}; "
                 f"{c.n_params / 1e6:,.1f}M params in {c.param_dtype}, compute {c.compute_dtype}; tokenizer={tok})")
 
 # %% ../nbs/04_lm.ipynb #bd2afdb0
 def _default_tokenizer(config):
-    return gpt2_tokenizer() if config.n_vocab >= 50257 else None
+    "GPT-2's tokenizer for a GPT-J of its vocabulary; other families bring their own (in the checkpoint), or none."
+    return gpt2_tokenizer() if config.family == "gptj" and config.n_vocab >= 50257 else None
 
 @patch(as_prop=True)
 def eos_token_id(self: LM) -> int:
@@ -118,7 +120,8 @@ def init(cls: LM, config: ModelConfig | str, seed: int = 0, tokenizer="auto", dt
 @patch(cls_method=True)
 def from_hf(cls: LM, path_or_repo_id, dtype="bfloat16", compute_dtype=None, revision=None, tokenizer="auto",
             mesh=None, progress=True, **config_overrides) -> LM:
-    "Load a Hugging Face GPT-J (a directory or hub id) into `dtype` parameters, one tensor at a time (sharded on `mesh`)."
+    """Load a Hugging Face checkpoint (a directory or hub id) of GPT-J, Llama, Mistral, Qwen2 or GPT-NeoX into `dtype`
+    parameters, one tensor at a time (sharded on `mesh`)."""
     path = resolve_checkpoint(path_or_repo_id, revision, progress)
     config = _with_dtype(ModelConfig.from_hf(path, **config_overrides), dtype, compute_dtype)
     params = load_hf_params(path, config, param_shardings(config, mesh) if mesh is not None else None, progress=progress)

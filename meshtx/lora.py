@@ -58,15 +58,16 @@ def merge_adapters(params: dict, lora: LoRAConfig) -> dict:
             a, b = adapters[module][f"lora_{target}_a"], adapters[module][f"lora_{target}_b"]
             return jnp.einsum("...ir,...ro->...oi", a.astype(jnp.float32), b.astype(jnp.float32)) * lora.scale   # [out, in]
         out = {m: dict(ps) for m, ps in base.items()}
-        attn, fc_in, fc_out = "gptj/blocks/attn", "gptj/blocks/mlp/fc_in", "gptj/blocks/mlp/fc_out"
+        attn = "gptj/blocks/attn"
         def add(module, name, d, index=...):
             w = out[module][name]
             out[module][name] = w.at[index].set((w[index].astype(jnp.float32) + d).astype(w.dtype))
         for t in "qkv":
             if t in lora.targets: add(attn, t, delta(attn, t))
         if "out" in lora.targets: add(attn, "out", delta(attn, "out"))
-        if "fc_in" in lora.targets: add(fc_in, "w", delta(fc_in, "fc_in"))
-        if "fc_out" in lora.targets: add(fc_out, "w", delta(fc_out, "fc_out"))
+        for t in ("fc_in", "fc_gate", "fc_out"):
+            mlp = f"gptj/blocks/mlp/{t}"
+            if t in lora.targets and mlp in adapters: add(mlp, "w", delta(mlp, t))
         return out
     shardings = jax.tree.map(lambda x: x.sharding, base)
     return jax.jit(merge, donate_argnums=0, out_shardings=shardings)(base, adapters)
@@ -113,7 +114,7 @@ def load_adapters(lm: LM, path) -> LM:
     meta = read_json(path / LORA_CONFIG, what="LoRA adapters")
     if not {"lora", "model"} <= meta.keys(): raise ValueError(f"{path / LORA_CONFIG} lacks \"lora\" or \"model\": not meshtx adapters")
     lora, saved_for = LoRAConfig.from_dict(meta["lora"]), ModelConfig.from_dict(meta["model"])
-    shape = ("n_layer", "d_model", "n_head", "d_head", "d_ff", "n_vocab")
+    shape = ("family", "n_layer", "d_model", "n_head", "n_kv_head", "d_head", "d_ff", "n_vocab")
     if any(getattr(saved_for, f) != getattr(lm.config, f) for f in shape):
         diff = {f: (getattr(saved_for, f), getattr(lm.config, f)) for f in shape if getattr(saved_for, f) != getattr(lm.config, f)}
         raise ValueError(f"the adapters in {path} were trained for another model shape (saved vs this model: {diff})")

@@ -16,27 +16,58 @@ import optax
 from .config import ModelConfig, LoRAConfig
 
 # %% auto #0
-__all__ = ['REMAT_POLICY', 'LOSS_ROWS', 'BLOCKS', 'rotary_angles', 'apply_rotary', 'einsum32', 'attend', 'self_attention',
-           'dense', 'low_rank', 'lora_update', 'linear', 'layer_norm', 'gelu_new', 'no_hint', 'block', 'add_bias',
-           'lm_head', 'scan_blocks', 'GPTJ', 'gptj', 'init_params', 'param_shapes', 'cpu_mixed_products',
-           'cross_entropy', 'n_loss_chunks', 'fused_cross_entropy', 'cache_dtype', 'KVCache', 'attend_cached',
-           'cache_read', 'split_layers', 'remat_in_turn', 'run_layers']
+__all__ = ['ACTIVATIONS', 'REMAT_POLICY', 'LOSS_ROWS', 'BLOCKS', 'rotary_angles', 'rotary_frequencies', 'apply_rotary',
+           'einsum32', 'attend', 'self_attention', 'dense', 'low_rank', 'lora_update', 'linear', 'layer_norm',
+           'rms_norm', 'norm', 'gelu_new', 'no_hint', 'mlp', 'block', 'add_bias', 'lm_head', 'self_mask', 'scan_blocks',
+           'GPTJ', 'gptj', 'init_params', 'param_shapes', 'cpu_mixed_products', 'cross_entropy', 'n_loss_chunks',
+           'fused_cross_entropy', 'cache_dtype', 'KVCache', 'cache_read', 'attend_cached', 'split_layers',
+           'remat_in_turn', 'run_layers']
 
 # %% ../nbs/01_model.ipynb #63414cbc
-def rotary_angles(positions: jax.Array, rotary_dim: int, base: float = 10000.0):
-    "`(sin, cos)` of the rotation angles for integer `positions` `[B, T]`: each `[B, T, rotary_dim // 2]`, float32."
-    inv_freq = 1.0 / (base ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim))
+def rotary_angles(positions: jax.Array, rotary_dim: int, base: float = 10000.0, inv_freq=None):
+    """`(sin, cos)` of the rotation angles for integer `positions` `[B, T]`: each `[B, T, rotary_dim // 2]`, float32.
+    `inv_freq` (`[rotary_dim // 2]`) replaces the frequencies `base^(-2i/rotary_dim)` (a scaled rotary, below)."""
+    if inv_freq is None: inv_freq = 1.0 / (base ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.sin(angles), jnp.cos(angles)
 
+# %% ../nbs/01_model.ipynb #fb000002
+def rotary_frequencies(cfg: ModelConfig, longest=None):
+    """The rotary frequencies `θ^(-2i/r)` `[rotary_dim // 2]` of `cfg`, scaled as its `rope_scaling` says, as Hugging
+    Face computes them: "linear" divides them by the factor; "llama3" divides the low ones and blends the middle ones;
+    "dynamic" (NTK) raises θ once a call's `longest` position + 1 (traced) passes the original context."""
+    r, f = cfg.rotary_dim, np.float32(cfg.rope_factor)
+    exps = np.arange(0, r, 2, dtype=np.float32) / np.float32(r)
+    inv = 1.0 / (np.float32(cfg.rotary_base) ** exps)
+    if cfg.rope_scaling == "linear": return inv / f
+    if cfg.rope_scaling == "llama3":
+        old, lo, hi = np.float32(cfg.rope_original_ctx or cfg.n_ctx), np.float32(cfg.rope_low_freq_factor), np.float32(cfg.rope_high_freq_factor)
+        wavelen = np.float32(2 * math.pi) / inv
+        scaled = np.where(wavelen > old / lo, inv / f, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * scaled / f + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        return np.where(medium, blended, scaled).astype(np.float32)
+    if cfg.rope_scaling == "dynamic" and longest is not None:
+        old = cfg.rope_original_ctx or cfg.n_ctx
+        n = jnp.maximum(longest, old).astype(jnp.float32)
+        base = cfg.rotary_base * (f * n / old - (f - 1)) ** (r / (r - 2))
+        return 1.0 / (base ** jnp.asarray(exps))
+    return inv
+
 # %% ../nbs/01_model.ipynb #9fab8e98
-def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-    "Rotate adjacent pairs `(2i, 2i+1)` of the first `2 * sin.shape[-1]` features of each head of `x` `[B, T, H, d]`."
+def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array, style: str = "pairs") -> jax.Array:
+    """Rotate the first `2 * sin.shape[-1]` features of each head of `x` `[B, T, H, d]`: adjacent pairs `(2i, 2i+1)`
+    (`style="pairs"`, GPT-J's), or `(i, i + r/2)` (`"halves"`, GPT-NeoX's and Llama's, Hugging Face's `rotate_half`)."""
     r = 2 * sin.shape[-1]
     rot, rest = x[..., :r].astype(jnp.float32), x[..., r:]
-    even, odd = rot[..., 0::2], rot[..., 1::2]
     s, c = sin[:, :, None, :], cos[:, :, None, :]
-    rotated = jnp.stack([even * c - odd * s, odd * c + even * s], axis=-1).reshape(rot.shape)
+    if style == "pairs":
+        even, odd = rot[..., 0::2], rot[..., 1::2]
+        rotated = jnp.stack([even * c - odd * s, odd * c + even * s], axis=-1).reshape(rot.shape)
+    else:
+        a, b = rot[..., :r // 2], rot[..., r // 2:]
+        rotated = jnp.concatenate([a * c - b * s, b * c + a * s], axis=-1)
     return jnp.concatenate([rotated.astype(x.dtype), rest], axis=-1)
 
 # %% ../nbs/01_model.ipynb #009772ce
@@ -78,13 +109,16 @@ attend.defvjp(_attend_fwd, _attend_bwd)
 
 # %% ../nbs/01_model.ipynb #8532115f
 def self_attention(q, k, v, mask, cfg: ModelConfig):
-    "Causal attention of a sequence `[B, T, H, d]` over itself; `mask` `[B, T, T]`, or None for causal without padding."
+    """Causal attention of a sequence `[B, T, H, d]` over itself; `mask` `[B, T, T]`, or None for causal without padding.
+    Keys and values may have fewer heads than the queries (grouped-query attention): each serves `H / n_kv_head` of them."""
     if cfg.attention == "cudnn":
         if jax.default_backend() != "gpu":
             raise ValueError(f"attention='cudnn' needs an NVIDIA GPU, but JAX's backend is {jax.default_backend()!r}; "
                              "use attention='xla'")
         return jax.nn.dot_product_attention(q, k, v, mask=None if mask is None else mask[:, None],
                                             is_causal=mask is None, implementation="cudnn")
+    if k.shape[2] != q.shape[2]:   # query head h reads key/value head h // group, as Hugging Face's `repeat_kv`
+        k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
     T = q.shape[1]
     if mask is not None: return attend(q, k, v, mask)
     n = _causal_blocks(T)
@@ -144,10 +178,11 @@ def lora_update(x, target: str, n_out: int, cfg: ModelConfig, lora: LoRAConfig |
     return low_rank(x, a, b * jnp.asarray(lora.scale, cfg.compute_dtype))
 
 # %% ../nbs/01_model.ipynb #042361e7
-def linear(x, n_out: int, cfg: ModelConfig, name: str, lora: LoRAConfig | None = None):
-    "`x @ wᵀ + b` with `w` `[n_out, n_in]` and bias `b`, in the compute dtype (plus a LoRA update if `lora` targets `name`)."
+def linear(x, n_out: int, cfg: ModelConfig, name: str, lora: LoRAConfig | None = None, bias: bool = True):
+    "`x @ wᵀ + b` with `w` `[n_out, n_in]` and bias `b` (if `bias`), in the compute dtype (plus a LoRA update if `lora` targets `name`)."
     with hk.name_scope(name):
-        y = dense(x, _param("w", (n_out, x.shape[-1]), cfg)) + _param("b", (n_out,), cfg, jnp.zeros)
+        y = dense(x, _param("w", (n_out, x.shape[-1]), cfg))
+        if bias: y = y + _param("b", (n_out,), cfg, jnp.zeros)
         return y + lora_update(x, name, n_out, cfg, lora)
 
 def layer_norm(x, cfg: ModelConfig, name: str):
@@ -160,6 +195,19 @@ def layer_norm(x, cfg: ModelConfig, name: str):
     var = jnp.square(x - mean).mean(-1, keepdims=True)
     y = (x - mean) * jax.lax.rsqrt(var + cfg.ln_eps) * scale.astype(jnp.float32) + offset.astype(jnp.float32)
     return y.astype(cfg.compute_dtype)
+
+# %% ../nbs/01_model.ipynb #fb000005
+def rms_norm(x, cfg: ModelConfig, name: str):
+    "RMSNorm (Llama's): `x / rms(x)` in float32, then scaled in the compute dtype, as Hugging Face's `LlamaRMSNorm` does."
+    with hk.name_scope(name):
+        scale = hk.get_parameter("scale", x.shape[-1:], jnp.dtype(cfg.param_dtype), init=jnp.ones)
+    x = x.astype(jnp.float32)
+    y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + cfg.ln_eps)
+    return y.astype(cfg.compute_dtype) * scale.astype(cfg.compute_dtype)
+
+def norm(x, cfg: ModelConfig, name: str):
+    "The config's norm: `layer_norm` (GPT-J, NeoX) or `rms_norm` (Llama, Mistral, Qwen2)."
+    return (rms_norm if cfg.norm == "rmsnorm" else layer_norm)(x, cfg, name)
 
 # %% ../nbs/01_model.ipynb #351adc06
 @jax.custom_vjp
@@ -175,29 +223,50 @@ def _gelu_new_grad(x, g):
 
 gelu_new.defvjp(lambda x: (gelu_new(x), x), _gelu_new_grad)
 
-# %% ../nbs/01_model.ipynb #9149c04c
+# %% ../nbs/01_model.ipynb #fb000008
 def no_hint(x, kind: str): return x
 
+ACTIVATIONS = {"gelu_new": gelu_new, "gelu": partial(jax.nn.gelu, approximate=False), "silu": jax.nn.silu,
+               "relu": jax.nn.relu}
+
+def mlp(h, cfg: ModelConfig, hint=no_hint, lora=None):
+    """The MLP on `h` `[B, T, D]`: `fc_out(act(fc_in(h)))`, or, gated (SwiGLU, Llama's), `fc_out(act(fc_gate(h)) · fc_in(h))`."""
+    up = hint(linear(h, cfg.d_ff, cfg, "fc_in", lora, cfg.mlp_bias), "ff")
+    act = ACTIVATIONS[cfg.activation]
+    f = act(hint(linear(h, cfg.d_ff, cfg, "fc_gate", lora, cfg.mlp_bias), "ff")) * up if cfg.gated_mlp else act(up)
+    return linear(f, cfg.d_model, cfg, "fc_out", lora, cfg.mlp_bias)
+
+# %% ../nbs/01_model.ipynb #9149c04c
 # what a rematerialized block saves for the backward pass: nothing (recompute the block), or its matmul outputs
 REMAT_POLICY = {"nothing": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
+def _project(x, name: str, n_out: int, cfg: ModelConfig, lora, bias: bool):
+    "An attention projection `x @ wᵀ` (params `name`, and `{name}_bias` if `bias`), plus its adapter."
+    y = dense(x, _param(name, (n_out, x.shape[-1]), cfg)) + lora_update(x, name, n_out, cfg, lora)
+    return y + _param(f"{name}_bias", (n_out,), cfg, jnp.zeros) if bias else y
+
 def block(x, sin, cos, mask, cfg: ModelConfig, cache: KVCache | None = None, layer=None, hint=no_hint, lora=None):
     """One GPT-J block on `x` `[B, T, D]`; when decoding, attention also sees block `layer`'s slots of `cache`.
-    Returns the new `x` and this block's new keys and values `[B, H, T, d]` (for the cache)."""
+    Returns the new `x` and this block's new keys and values `[B, n_kv_head, T, d]` (for the cache)."""
     B, T, D = x.shape
-    H, dh = cfg.n_head, cfg.d_head
-    h = layer_norm(x, cfg, "ln_1")
+    dh = cfg.d_head
+    h = norm(x, cfg, "ln_1")
     with hk.name_scope("attn"):
-        q, k, v = (hint((dense(h, _param(t, (H * dh, D), cfg)) + lora_update(h, t, H * dh, cfg, lora)).reshape(B, T, H, dh),
-                        "heads") for t in "qkv")
-        q, k = apply_rotary(q, sin, cos), apply_rotary(k, sin, cos)
-        a = self_attention(q, k, v, mask, cfg) if cache is None else attend_cached(q, k, v, mask, cache, layer, cache_read(cfg))
-        a = hint(a, "heads").reshape(B, T, H * dh)
-        attn_out = dense(a, _param("out", (D, H * dh), cfg)) + lora_update(a, "out", D, cfg, lora)
-    with hk.name_scope("mlp"):
-        f = gelu_new(hint(linear(h, cfg.d_ff, cfg, "fc_in", lora), "ff"))
-        mlp_out = linear(f, D, cfg, "fc_out", lora)
-    return hint(x + attn_out + mlp_out, "act"), (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+        q, k, v = (hint(_project(h, t, n * dh, cfg, lora, cfg.qkv_bias).reshape(B, T, n, dh), "heads")
+                   for t, n in (("q", cfg.n_head), ("k", cfg.n_kv_head), ("v", cfg.n_kv_head)))
+        q, k = apply_rotary(q, sin, cos, cfg.rotary_style), apply_rotary(k, sin, cos, cfg.rotary_style)
+        a = self_attention(q, k, v, mask, cfg) if cache is None else \
+            attend_cached(q, k, v, mask, cache, layer, cache_read(cfg), cfg.sliding_window)
+        a = hint(a, "heads").reshape(B, T, cfg.n_head * dh)
+        attn_out = _project(a, "out", D, cfg, lora, cfg.out_bias)
+    if cfg.parallel_residual:   # GPT-J (ln_1 shared), NeoX (ln_2 for the MLP): both read the block's input
+        h2 = norm(x, cfg, "ln_2") if cfg.mlp_norm else h
+        with hk.name_scope("mlp"): x = x + attn_out + mlp(h2, cfg, hint, lora)
+    else:                       # Llama: the MLP reads the residual after attention
+        x = x + attn_out
+        h2 = norm(x, cfg, "ln_2")
+        with hk.name_scope("mlp"): x = x + mlp(h2, cfg, hint, lora)
+    return hint(x, "act"), (k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
 
 # %% ../nbs/01_model.ipynb #b61555d9
 @jax.custom_vjp
@@ -209,15 +278,17 @@ add_bias.defvjp(lambda y, b: (y + b, None),
                 lambda _, g: (g, jnp.einsum("bt,btv->v", jnp.ones(g.shape[:2], g.dtype), g)))
 
 # %% ../nbs/01_model.ipynb #7b1a0e30
-def lm_head(x, cfg: ModelConfig, hint=no_hint, logits_to_keep: int = 0, targets=None, loss_mask=None):
-    """The final LayerNorm and the lm head on `x` `[B, T, D]`: float32 logits `[B, T, n_vocab]` (of the last
-    `logits_to_keep` positions, if asked), or, given `targets`, the mean cross-entropy over `loss_mask`, without logits."""
+def lm_head(x, cfg: ModelConfig, hint=no_hint, logits_to_keep: int = 0, targets=None, loss_mask=None, embedding=None):
+    """The final norm and the lm head on `x` `[B, T, D]`: float32 logits `[B, T, n_vocab]` (of the last
+    `logits_to_keep` positions, if asked), or, given `targets`, the mean cross-entropy over `loss_mask`, without logits.
+    With `tie_embeddings` the head is the `embedding` matrix itself `[n_vocab, D]`."""
     B, T = x.shape[:2]
     if logits_to_keep: x = x[:, -logits_to_keep:]   # e.g. 1 when a prompt only needs its next token
-    h = layer_norm(x, cfg, "ln_f")
+    h = norm(x, cfg, "ln_f")
     with hk.name_scope("lm_head"):
-        w = _param("w", (cfg.n_vocab, cfg.d_model), cfg)
-        b = hk.get_parameter("b", (cfg.n_vocab,), jnp.dtype(cfg.param_dtype), init=jnp.zeros)
+        w = embedding if cfg.tie_embeddings else _param("w", (cfg.n_vocab, cfg.d_model), cfg)
+        b = (hk.get_parameter("b", (cfg.n_vocab,), jnp.dtype(cfg.param_dtype), init=jnp.zeros) if cfg.lm_head_bias
+             else jnp.zeros((cfg.n_vocab,), jnp.float32))
     if targets is not None:   # training: the mean cross-entropy, without materialising the logits
         weights = jnp.ones((B, T), jnp.float32) if loss_mask is None else loss_mask.astype(jnp.float32)
         rows = LOSS_ROWS * getattr(hint, "batch_shards", 1)   # a chunk of LOSS_ROWS tokens per device
@@ -225,18 +296,28 @@ def lm_head(x, cfg: ModelConfig, hint=no_hint, logits_to_keep: int = 0, targets=
     return hint(add_bias(einsum32("btd,vd->btv", h, w), b.astype(jnp.float32)), "logits")
 
 # %% ../nbs/01_model.ipynb #396a3906
+def self_mask(live, cfg: ModelConfig, padded: bool):
+    """Which new tokens each new token `[B, T, T]` may see: earlier ones, real ones (`live` `[B, T]`), and with a
+    `sliding_window` only the last `sliding_window`; None when plain causal attention is all that (no padding, no window)."""
+    T = live.shape[1]
+    window = cfg.sliding_window is not None and T > cfg.sliding_window
+    if not padded and not window: return None
+    mask = jnp.tril(jnp.ones((T, T), bool))[None] & live[:, None, :]
+    if window:
+        pos = jnp.cumsum(live, axis=1)   # positions count real tokens only
+        mask &= pos[:, :, None] - pos[:, None, :] < cfg.sliding_window
+    return mask
+
 def scan_blocks(x, sin, cos, live, attention_mask, cache, cfg: ModelConfig, hint=no_hint, lora=None):
     """The blocks on `x`, as one `hk.layer_stack` (a `scan`) over their stacked `[n_layer, ...]` weights (`blocks/...`):
     the new `x` and the updated cache (or None)."""
-    T = x.shape[1]
+    mask = self_mask(live, cfg, padded=attention_mask is not None or cache is not None)
     if cache is None:
-        mask = None if attention_mask is None else jnp.tril(jnp.ones((T, T), bool))[None] & live[:, None, :]
         def body(x):
             return block(x, sin, cos, mask, cfg, hint=hint, lora=lora)[0]
         if cfg.remat: body = hk.remat(body, policy=REMAT_POLICY[cfg.remat_policy])
         return hk.layer_stack(cfg.n_layer, name="blocks")(body)(x), None
-    mask = jnp.tril(jnp.ones((T, T), bool))[None] & live[:, None, :]   # new tokens see the valid cached slots, and each other causally
-    def body(x, layer):
+    def body(x, layer):   # new tokens see the valid cached slots, and each other causally
         x, (k, v) = block(x, sin, cos, mask, cfg, cache, layer, hint=hint, lora=lora)
         return x, (k.astype(cache.k.dtype), v.astype(cache.v.dtype))
     x, (k, v) = hk.layer_stack(cfg.n_layer, with_per_layer_inputs=True, name="blocks")(body)(x, jnp.arange(cfg.n_layer))
@@ -257,13 +338,14 @@ class GPTJ(hk.Module):
         live = jnp.ones((B, T), bool) if attention_mask is None else attention_mask.astype(bool)
         first = jnp.zeros((B,), jnp.int32) if cache is None else cache.next_pos
         positions = first[:, None] + jnp.cumsum(live, axis=1, dtype=jnp.int32) - 1
-        sin, cos = rotary_angles(jnp.maximum(positions, 0), cfg.rotary_dim)
+        sin, cos = rotary_angles(jnp.maximum(positions, 0), cfg.rotary_dim, inv_freq=rotary_frequencies(cfg, positions.max() + 1))
         with hk.name_scope("wte"):
-            x = self.hint(jnp.take(_param("embedding", (cfg.n_vocab, cfg.d_model), cfg), tokens, axis=0), "act")
+            embedding = _param("embedding", (cfg.n_vocab, cfg.d_model), cfg)
+            x = self.hint(jnp.take(embedding, tokens, axis=0), "act")
         # `layers`: the blocks' weights one layer at a time (`split_layers`, below), run in a loop, no stack
         blocks = scan_blocks if layers is None else partial(run_layers, layers)
         x, new_cache = blocks(x, sin, cos, live, attention_mask, cache, cfg, self.hint, self.lora)
-        out = lm_head(x, cfg, self.hint, logits_to_keep, targets, loss_mask)
+        out = lm_head(x, cfg, self.hint, logits_to_keep, targets, loss_mask, embedding)
         return out if new_cache is None or targets is not None else (out, new_cache)
 
 # %% ../nbs/01_model.ipynb #caf01be8
@@ -384,8 +466,8 @@ def _chunk_size(max_len: int, most: int = 256) -> int:
 # %% ../nbs/01_model.ipynb #d2cbe66b
 class KVCache(NamedTuple):
     "Keys and values of every block for the tokens seen so far."
-    k: jax.Array         # [n_layer, n_chunks, B, n_head, chunk, d_head], rotated keys; slot s = chunk s // chunk, row s % chunk
-    v: jax.Array         # [n_layer, n_chunks, B, n_head, chunk, d_head]
+    k: jax.Array         # [n_layer, n_chunks, B, n_kv_head, chunk, d_head], rotated keys; slot s = chunk s // chunk, row s % chunk
+    v: jax.Array         # [n_layer, n_chunks, B, n_kv_head, chunk, d_head]
     valid: jax.Array     # [B, max_len] bool: the slot holds a real (non-padding) token
     length: jax.Array    # int32 []: slots written so far (the same for every row)
     next_pos: jax.Array  # int32 [B]: position the next real token of each row gets
@@ -394,7 +476,7 @@ class KVCache(NamedTuple):
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
         "An empty cache of `max_len` slots, in `dtype` (default: `cache_dtype(config)`)."
         dtype, C = jnp.dtype(dtype or cache_dtype(config)), _chunk_size(max_len)
-        shape = (config.n_layer, max_len // C, batch, config.n_head, C, config.d_head)
+        shape = (config.n_layer, max_len // C, batch, config.n_kv_head, C, config.d_head)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch, max_len), bool),
                    jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32))
 
@@ -404,7 +486,7 @@ class KVCache(NamedTuple):
     def max_len(self) -> int: return self.k.shape[1] * self.k.shape[4]
 
     def write(self, k: jax.Array, v: jax.Array, live: jax.Array) -> KVCache:
-        """Store every block's new keys and values `[n_layer, B, n_head, T, d_head]` at slots `[length, length + T)`
+        """Store every block's new keys and values `[n_layer, B, n_kv_head, T, d_head]` at slots `[length, length + T)`
         (in place when the cache is donated); `live` `[B, T]` marks which new tokens are real."""
         T, C, at = k.shape[3], self.chunk, self.length
         if T == 1:   # decoding: one slot, one dynamic_update_slice
@@ -417,15 +499,16 @@ class KVCache(NamedTuple):
                        at + T, self.next_pos + live.sum(1, dtype=jnp.int32))
 
 # %% ../nbs/01_model.ipynb #5e03deaf
-def attend_cached(q, k, v, mask, cache: KVCache, layer, read: str = "chunks") -> jax.Array:
+def _attend_cached(q, k, v, mask, cache: KVCache, layer, read: str = "chunks", seen=None) -> jax.Array:
     """Attention of new tokens q/k/v `[B, T, H, d]` (mask `[B, T, T]`) that also sees block `layer`'s valid cached
     slots `[0, cache.length)`, read chunk by chunk with an online softmax. Same result as `attend` over both.
-    With `read="all"`, a single new token (`T == 1`) reads every slot instead, masked, in one softmax."""
+    With `read="all"` (for a single new token) it reads every slot instead, masked, in one softmax.
+    `seen(start, n)`: which of slots `[start, start + n)` each new token may see (`[B, T | 1, n]`; None: the valid ones)."""
     f32, scale = jnp.float32, 1 / math.sqrt(q.shape[-1])
     B, T, H, d = q.shape
     floor = jnp.finfo(f32).min
     s = _scores(q, k, mask)                                # the new tokens among themselves
-    if read == "all" and T == 1: return _attend_all_slots(q, v, s, cache, layer)
+    if read == "all": return _attend_all_slots(q, v, s, cache, layer, seen)
     m = s.max(-1)                                          # running max     [B, H, T]
     p = jnp.exp(s - m[..., None])
     l = p.sum(-1)                                          # running sum     [B, H, T]
@@ -434,9 +517,9 @@ def attend_cached(q, k, v, mask, cache: KVCache, layer, read: str = "chunks") ->
     def chunk(c, carry):
         m, l, o = carry
         kc, vc = (jax.lax.dynamic_slice(x, (layer, c, 0, 0, 0, 0), (1, 1, B, H, C, d))[0, 0] for x in (cache.k, cache.v))
-        ok = jax.lax.dynamic_slice(cache.valid, (0, c * C), (B, C))
+        ok = seen(c * C, C) if seen else jax.lax.dynamic_slice(cache.valid, (0, c * C), (B, C))[:, None]   # [B, T | 1, C]
         sc = einsum32("bthd,bhsd->bhts", q, kc.astype(q.dtype)) * scale
-        sc = jnp.where(ok[:, None, None, :], sc, floor)
+        sc = jnp.where(ok[:, None], sc, floor)
         m_new = jnp.maximum(m, sc.max(-1))
         pc = jnp.exp(sc - m_new[..., None])
         fix = jnp.exp(m - m_new)
@@ -447,14 +530,15 @@ def attend_cached(q, k, v, mask, cache: KVCache, layer, read: str = "chunks") ->
     return (o / l[..., None]).astype(v.dtype).transpose(0, 2, 1, 3)
 
 # %% ../nbs/01_model.ipynb #e681c4f2
-def _attend_all_slots(q, v, s, cache: KVCache, layer) -> jax.Array:
+def _attend_all_slots(q, v, s, cache: KVCache, layer, seen=None) -> jax.Array:
     """One softmax over all of block `layer`'s cached slots (invalid ones masked) and the new tokens' scores `s`.
     The cache's chunk axis is a batch axis of both products, so neither transposes the cache."""
     f32, (B, T, H, d), (n, C) = jnp.float32, q.shape, cache.k.shape[1:5:3]
     kl, vl = cache.k[layer].astype(q.dtype), cache.v[layer].astype(v.dtype)          # [n_chunks, B, H, chunk, d]
     qn = jnp.broadcast_to(q.transpose(0, 2, 1, 3)[None], (n, B, H, T, d))
     sc = einsum32("nbhtd,nbhsd->nbhts", qn, kl) / math.sqrt(d)
-    ok = cache.valid.reshape(B, n, C).transpose(1, 0, 2)[:, :, None, None, :]      # [n_chunks, B, 1, 1, chunk]
+    ok = (cache.valid[:, None] if seen is None else seen(0, n * C)).reshape(B, -1, n, C)   # [B, T | 1, n_chunks, chunk]
+    ok = ok.transpose(2, 0, 1, 3)[:, :, None]                                      # [n_chunks, B, 1, T | 1, chunk]
     sc = jnp.where(ok, sc, jnp.finfo(f32).min)
     m = jnp.maximum(sc.max((0, 4)), s.max(-1))                                      # [B, H, T]
     pc, pn = jnp.exp(sc - m[..., None]), jnp.exp(s - m[..., None])
@@ -467,6 +551,29 @@ def cache_read(cfg: ModelConfig) -> str:
     """How a decoding step reads the KV cache: `cfg.cache_read`, with "auto" resolved for JAX's backend ("all" on GPUs)."""
     if cfg.cache_read != "auto": return cfg.cache_read
     return "all" if jax.default_backend() == "gpu" else "chunks"
+
+# %% ../nbs/01_model.ipynb #fb00000a
+def attend_cached(q, k, v, mask, cache: KVCache, layer, read: str = "chunks", window: int | None = None) -> jax.Array:
+    """Attention of new tokens q `[B, T, H, d]`, k/v `[B, T, n_kv_head, d]` (mask `[B, T, T]`) over each other and block
+    `layer`'s valid cached slots; with a sliding `window`, over the last `window` positions only.
+    Grouped-query attention folds each group's heads into the query axis (`[B, T·group, n_kv_head, d]`), so the cache
+    is read as it is stored, never repeated per head."""
+    B, T, H, d = q.shape
+    G = k.shape[2]; R = H // G
+    seen = None
+    if window is not None:   # slot s holds the token at position (real slots up to s) - 1; the new ones follow next_pos
+        live = jnp.diagonal(mask, axis1=1, axis2=2)
+        qpos = cache.next_pos[:, None] + jnp.cumsum(live, axis=1, dtype=jnp.int32) - 1                  # [B, T]
+        spos = jnp.cumsum(cache.valid, axis=1, dtype=jnp.int32) - 1                                      # [B, max_len]
+        def seen(start, n):
+            ok = jax.lax.dynamic_slice(cache.valid, (0, start), (B, n))[:, None]
+            near = qpos[:, :, None] - jax.lax.dynamic_slice(spos, (0, start), (B, n))[:, None] < window
+            return jnp.repeat(ok & near, R, axis=1)                                                     # [B, T·R, n]
+    read = read if T == 1 else "chunks"   # reading all slots pays off for one new token a row (decoding)
+    if R == 1: return _attend_cached(q, k, v, mask, cache, layer, read, seen)
+    q = q.reshape(B, T, G, R, d).transpose(0, 1, 3, 2, 4).reshape(B, T * R, G, d)   # query t·R + r: head g·R + r
+    o = _attend_cached(q, k, v, jnp.repeat(mask, R, axis=1), cache, layer, read, seen)
+    return o.reshape(B, T, R, G, d).transpose(0, 1, 3, 2, 4).reshape(B, T, H, d)
 
 # %% ../nbs/01_model.ipynb #1a46303e
 BLOCKS = "gptj/blocks/"   # the stacked blocks' modules, `[n_layer, ...]` parameters
@@ -499,8 +606,7 @@ def remat_in_turn(f):
 # %% ../nbs/01_model.ipynb #70790b7e
 def run_layers(layers: list, x, sin, cos, live, attention_mask, cache, cfg, hint=no_hint, lora=None):
     "The blocks on `x`, in a loop over `layers` (each one layer's weights): the new `x` and the updated cache (or None)."
-    T = x.shape[1]
-    mask = None if cache is None and attention_mask is None else jnp.tril(jnp.ones((T, T), bool))[None] & live[:, None, :]
+    mask = self_mask(live, cfg, padded=attention_mask is not None or cache is not None)
     run = lambda p, x, i: _block.apply(p, x, sin, cos, mask, cfg, cache, i, hint=hint, lora=lora)
     if cache is None:   # no cache: only x goes on (remat: "nothing" in turn; "dots" keeps the products, as in the scan)
         step = lambda p, x, i: run(p, x, i)[0]

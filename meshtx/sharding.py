@@ -10,7 +10,7 @@ import dataclasses, math, re
 import numpy as np
 import jax, jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from .config import ModelConfig
+from .config import ModelConfig, family_name
 from .model import param_shapes, KVCache, LOSS_ROWS, n_loss_chunks, cache_dtype
 
 # %% auto #0
@@ -25,13 +25,13 @@ BATCH = ("dp", "fsdp")   # the mesh axes the batch is split over
 
 def _divisors(n): return [d for d in range(1, n + 1) if n % d == 0]
 
-def _mp_ok(config, mp): return config is None or (config.n_head % mp == 0 and config.d_ff % mp == 0)
+def _mp_ok(config, mp): return config is None or (config.n_head % mp == 0 and config.n_kv_head % mp == 0 and config.d_ff % mp == 0)
 
 def _check_splits(config: ModelConfig, n_devices: int, fsdp: int, mp: int):
     "Refuse `fsdp` and `mp` sizes that do not divide the model's shapes, naming the sizes that would."
     if not _mp_ok(config, mp):
         ok = [d for d in _divisors(n_devices) if _mp_ok(config, d)]
-        raise ValueError(f"mp={mp} must divide n_head={config.n_head} and d_ff={config.d_ff}; "
+        raise ValueError(f"mp={mp} must divide n_head={config.n_head}, n_kv_head={config.n_kv_head} and d_ff={config.d_ff}; "
                          f"with {n_devices} devices mp can be {ok}")
     if config.d_model % fsdp:
         ok = [d for d in _divisors(n_devices) if config.d_model % d == 0]
@@ -84,13 +84,14 @@ def make_mesh(dp=None, fsdp=None, mp=None, devices=None, *, config: ModelConfig 
 PARTITION_RULES = (
     (r"wte/embedding$",       P("mp", "fsdp")),              # [V, D]       vocab-parallel
     (r"attn/[qkv]$",          P(None, "mp", "fsdp")),        # [L, HD, D]   column-parallel: whole heads per device
+    (r"attn/[qkv]_bias$",     P(None, "mp")),                # [L, HD]      (Qwen2's, NeoX's)
     (r"attn/out$",            P(None, "fsdp", "mp")),        # [L, D, HD]   row-parallel
-    (r"mlp/fc_in/w$",         P(None, "mp", "fsdp")),        # [L, F, D]    column-parallel
-    (r"mlp/fc_in/b$",         P(None, "mp")),                # [L, F]
+    (r"mlp/fc_(in|gate)/w$",  P(None, "mp", "fsdp")),        # [L, F, D]    column-parallel (gate: SwiGLU's)
+    (r"mlp/fc_(in|gate)/b$",  P(None, "mp")),                # [L, F]
     (r"mlp/fc_out/w$",        P(None, "fsdp", "mp")),        # [L, D, F]    row-parallel
     (r"lm_head/w$",           P("mp", "fsdp")),              # [V, D]       vocab-parallel
     (r"lm_head/b$",           P("mp")),                      # [V]
-    (r".*",                   P()),                          # LayerNorms, fc_out's bias: replicated
+    (r".*",                   P()),                          # norms, the out and fc_out biases: replicated
 )
 
 # %% ../nbs/03_sharding.ipynb #429d7253
@@ -151,7 +152,7 @@ def batch_sharding(mesh: Mesh, shape: tuple) -> NamedSharding:
 def kv_cache_shardings(mesh: Mesh, batch: int, config: ModelConfig) -> KVCache:
     "Shardings of a `KVCache` for `batch` rows on `mesh`."
     kv = NamedSharding(mesh, fit_spec(P(None, None, BATCH, "mp", None, None),
-                                      (config.n_layer, 1, batch, config.n_head, 1, config.d_head), mesh))
+                                      (config.n_layer, 1, batch, config.n_kv_head, 1, config.d_head), mesh))
     rows = NamedSharding(mesh, fit_spec(P(BATCH), (batch,), mesh))
     return KVCache(kv, kv, NamedSharding(mesh, fit_spec(P(BATCH, None), (batch, 1), mesh)), NamedSharding(mesh, P()), rows)
 
@@ -201,9 +202,9 @@ class _Grid:
     def __init__(self, shape): self.shape = shape
 
 def lora_params(config: ModelConfig, rank: int) -> int:
-    "Trainable parameters of rank-`rank` LoRA adapters on q, k, v, out, fc_in and fc_out."
-    D, HD, F = config.d_model, config.n_head * config.d_head, config.d_ff
-    return config.n_layer * rank * (3 * (D + HD) + (HD + D) + (D + F) + (F + D))
+    "Trainable parameters of rank-`rank` LoRA adapters on every matrix of each block (q, k, v, out, fc_in, fc_gate, fc_out)."
+    D, HD, KV, F = config.d_model, config.n_head * config.d_head, config.n_kv_head * config.d_head, config.d_ff
+    return config.n_layer * rank * ((D + HD) + 2 * (D + KV) + (HD + D) + (2 + config.gated_mlp) * (D + F))
 
 # %% ../nbs/03_sharding.ipynb #b6526586
 @dataclasses.dataclass
@@ -230,7 +231,7 @@ class MemoryPlan:
 
     def __str__(self):
         m = self.mesh
-        rows = [f"GPT-J {self.config.n_params / 1e9:.2f}B params, mode={self.mode}, mesh dp={m['dp']} fsdp={m['fsdp']} "
+        rows = [f"{family_name(self.config)} {self.config.n_params / 1e9:.2f}B params, mode={self.mode}, mesh dp={m['dp']} fsdp={m['fsdp']} "
                 f"mp={m['mp']} ({m['dp'] * m['fsdp'] * m['mp']} devices), batch={self.batch}, seq={self.seq}"
                 + (f", remat={'on' if self.remat else 'off'}" if self.mode != "infer" else ""),
                 f"{'per device':<24}{'GB':>10}{'GiB':>10}"]
@@ -273,14 +274,14 @@ def _working_bytes(config: ModelConfig, shapes: dict, axes: dict, mode: str, bat
     mpn, shards = axes["mp"], axes["dp"] * axes["fsdp"]
     tok = rows * seq
     H, HD, F = config.n_head / mpn, config.n_head * config.d_head / mpn, config.d_ff / mpn
-    layer = tok * (c * (2 * D + 6 * HD + 2 * F) + H * seq * (4 + c))   # everything one block keeps for backward
+    layer = tok * (c * (2 * D + 6 * HD + (2 + config.gated_mlp) * F) + H * seq * (4 + c))   # everything one block keeps for backward
     if axes["fsdp"] > 1:   # FSDP all-gathers one block's weights (this one and the next, prefetched) before use
         block = sum(math.prod(x.shape[1:]) for m, ps in shapes.items() if "/blocks/" in m for x in ps.values())
         w["gathered"] = int(2 * block / mpn * c)
     logits = tok * V / mpn * 4
     if mode == "infer":
         w["activations"] = w["activations_no_remat"] = int(layer + logits)
-        w["kv_cache"] = L * 2 * rows * seq * int(HD) * kv_c
+        w["kv_cache"] = L * 2 * rows * seq * int(config.n_kv_head * config.d_head / mpn) * kv_c
     else:   # the fused loss holds one chunk's logits, exponentials and gradient (and, training the head, its gradient sum)
         loss = 3 * logits / n_loss_chunks(batch, seq, LOSS_ROWS * shards) + (D * V / mpn * 4 if mode == "train" else 0)
         w["activations_no_remat"] = int(L * layer + loss)
@@ -331,5 +332,5 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     b.update(_working_bytes(config, shapes, axes, mode, batch, rows, seq, compute_dtype, kv_c))
     b["total"] = (b["params"] + b["opt_state"] + b["grads"] + b["gathered"] + b["kv_cache"]   # updates reuse the activations' memory
                   + max(b["updates"], b["activations"] if remat else b["activations_no_remat"]))
-    kv_per_token = config.n_layer * 2 * config.n_head * config.d_head * kv_c
+    kv_per_token = config.n_layer * 2 * config.n_kv_head * config.d_head * kv_c
     return MemoryPlan(config, mode, axes, batch, seq, b, kv_per_token, device, remat, tuple(notes))

@@ -17,40 +17,32 @@ from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 from .config import ModelConfig, DTYPES
 from .model import param_shapes
+from .families import hf_layout, ignored
 from .torchfile import TorchFile
 from .storage import pread_into, drop_cached, read_json, write_file, replace_dir, shorten
 
 # %% auto #0
-__all__ = ['IGNORED', 'SAVE_FILES', 'MESHTX_CONFIG', 'MESHTX_PARAMS', 'LAYOUT', 'OLD_LAYOUT', 'hf_tensor_map', 'hf_shapes',
+__all__ = ['SAVE_FILES', 'MESHTX_CONFIG', 'MESHTX_PARAMS', 'LAYOUT', 'OLD_LAYOUT', 'hf_tensor_map', 'hf_shapes',
            'checkpoint_files', 'open_safetensors', 'open_checkpoint', 'check_checkpoint', 'assemble', 'load_hf_params',
            'hf_tensors', 'write_hf', 'save_hf_params', 'is_meshtx_checkpoint', 'write_params', 'from_old_layout',
            'save_params', 'load_params']
 
 # %% ../nbs/02_weights.ipynb #875c3bd5
-_BLOCK = [  # (HF name inside transformer.h.{i}., meshtx module, param)
-    ("ln_1.weight", "gptj/blocks/ln_1", "scale"), ("ln_1.bias", "gptj/blocks/ln_1", "offset"),
-    ("attn.q_proj.weight", "gptj/blocks/attn", "q"), ("attn.k_proj.weight", "gptj/blocks/attn", "k"),
-    ("attn.v_proj.weight", "gptj/blocks/attn", "v"), ("attn.out_proj.weight", "gptj/blocks/attn", "out"),
-    ("mlp.fc_in.weight", "gptj/blocks/mlp/fc_in", "w"), ("mlp.fc_in.bias", "gptj/blocks/mlp/fc_in", "b"),
-    ("mlp.fc_out.weight", "gptj/blocks/mlp/fc_out", "w"), ("mlp.fc_out.bias", "gptj/blocks/mlp/fc_out", "b"),
-]
-_TOP = [("transformer.wte.weight", "gptj/wte", "embedding"), ("transformer.ln_f.weight", "gptj/ln_f", "scale"),
-        ("transformer.ln_f.bias", "gptj/ln_f", "offset"), ("lm_head.weight", "gptj/lm_head", "w"),
-        ("lm_head.bias", "gptj/lm_head", "b")]
-# buffers some checkpoints carry that are not parameters (the causal mask, its fill value)
-IGNORED = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)$")
-
 def hf_tensor_map(config: ModelConfig) -> dict:
-    "`{hf_name: (module, param, index)}`: each tensor of a Hugging Face GPT-J with this config is `params[module][param][index]`."
-    m = {name: (mod, p, ()) for name, mod, p in _TOP}
-    for i in range(config.n_layer):
-        for name, mod, p in _BLOCK: m[f"transformer.h.{i}.{name}"] = (mod, p, (i,))
-    return m
+    """`{hf_name: parts}`: each tensor of the family's Hugging Face checkpoint is `params[module][param][index]` for its one
+    part `(module, param, index)`, or several parameters stacked head by head (see `meshtx.families.hf_layout`)."""
+    return hf_layout(config)
+
+def _fused_shape(shapes, parts) -> tuple:
+    first = shapes[parts[0][0]][parts[0][1]].shape[1:]
+    return (sum(shapes[m][p].shape[1] for m, p, _ in parts), *first[1:])
 
 def hf_shapes(config: ModelConfig) -> dict:
     "`{hf_name: shape}`: the shape Hugging Face gives each tensor for this config."
     shapes = param_shapes(config)
-    return {name: shapes[mod][p].shape[len(index):] for name, (mod, p, index) in hf_tensor_map(config).items()}
+    return {name: shapes[parts[0][0]][parts[0][1]].shape[len(parts[0][2]):] if len(parts) == 1 else _fused_shape(shapes, parts)
+            for name, parts in hf_tensor_map(config).items()}
+
 
 # %% ../nbs/02_weights.ipynb #8861b838
 def checkpoint_files(path) -> list[Path]:
@@ -150,7 +142,7 @@ def check_checkpoint(config: ModelConfig, readers: dict, where="checkpoint"):
             problems.append(f"tensor {name!r} has shape {readers[name].shapes[name]} in "
                             f"{Path(readers[name].fn).name}, but the config expects {want}")
     for name in readers:
-        if name not in expected and not IGNORED.match(name):
+        if name not in expected and not ignored(name, config):
             problems.append(f"unexpected tensor {name!r} in {Path(readers[name].fn).name}")
     if problems:
         raise ValueError(f"{where} does not match the config (n_layer={config.n_layer}, d_model={config.d_model}, "
@@ -289,14 +281,35 @@ def assemble(shapes: dict, shardings, tensors, progress: bool = True, chunk_byte
     return {mod: {p: jax.make_array_from_single_device_arrays(sd.shape, where[mod][p], [x.array() for x in pieces[mod][p]])
                   for p, sd in ps.items()} for mod, ps in shapes.items()}
 
+# %% ../nbs/02_weights.ipynb #fc000001
+class _HeadPart:
+    """Part `k` of `n` of a tensor whose rows are stacked head by head (`[heads, n, d_head, ...]`, NeoX's fused q k v),
+    read as a tensor of its own: rows `r0:r1` of the part come from the whole heads that hold them."""
+    def __init__(self, reader, name: str, k: int, n: int, d_head: int):
+        self.reader, self.fn, self.k, self.n, self.dh = reader, reader.fn, k, n, d_head
+        rows, *rest = reader.shapes[name]
+        if rows % (n * d_head): raise ValueError(f"tensor {name!r} in {Path(reader.fn).name} has {rows} rows, not a whole "
+                                                 f"number of heads of {n} × {d_head}")
+        self.shapes = {name: (rows // n, *rest)}
+    drop_cache = property(lambda self: getattr(self.reader, "drop_cache", False),
+                          lambda self, v: setattr(self.reader, "drop_cache", v))
+    def read(self, name, rows=slice(None)) -> np.ndarray:
+        r0, r1 = rows.indices(self.shapes[name][0])[:2]
+        h0, h1 = r0 // self.dh, -(-r1 // self.dh)
+        whole = self.reader.read(name, slice(h0 * self.n * self.dh, h1 * self.n * self.dh))
+        part = whole.reshape(h1 - h0, self.n, self.dh, *whole.shape[1:])[:, self.k].reshape(-1, *whole.shape[1:])
+        return np.ascontiguousarray(part[r0 - h0 * self.dh:r1 - h0 * self.dh])
+
 # %% ../nbs/02_weights.ipynb #a80bacf2
 def load_hf_params(path, config: ModelConfig, shardings=None, progress: bool = True, chunk_bytes: int = 64 << 20) -> dict:
-    "Stream the Hugging Face GPT-J checkpoint in directory `path` into parameters for `config` (laid out by `shardings`)."
+    "Stream the Hugging Face checkpoint (of `config`'s family) in directory `path` into parameters for `config` (laid out by `shardings`)."
     readers = open_checkpoint(path)
     check_checkpoint(config, readers, where=f"checkpoint {path}")
     files = list(dict.fromkeys(r.fn for r in readers.values()))
     order = sorted(hf_tensor_map(config).items(), key=lambda kv: files.index(readers[kv[0]].fn))   # file by file
-    return assemble(param_shapes(config), shardings, [(readers[n], n, *where) for n, where in order], progress, chunk_bytes)
+    tensors = [(readers[n] if len(parts) == 1 else _HeadPart(readers[n], n, k, len(parts), config.d_head), n, *part)
+               for n, parts in order for k, part in enumerate(parts)]
+    return assemble(param_shapes(config), shardings, tensors, progress, chunk_bytes)
 
 # %% ../nbs/02_weights.ipynb #92df4366
 def _host_tensor(x: jax.Array, index: tuple, dtype=None) -> np.ndarray:
@@ -308,8 +321,12 @@ def _host_tensor(x: jax.Array, index: tuple, dtype=None) -> np.ndarray:
 
 def hf_tensors(params: dict, config: ModelConfig, dtype=None):
     "Yield `(hf_name, numpy array)` for every Hugging Face tensor, one at a time, optionally cast to `dtype`."
-    for name, (mod, p, index) in hf_tensor_map(config).items():
-        yield name, _host_tensor(params[mod][p], index, dtype)
+    for name, parts in hf_tensor_map(config).items():
+        ts = [_host_tensor(params[mod][p], index, dtype) for mod, p, index in parts]
+        if len(ts) == 1: yield name, ts[0]
+        else:   # fused head by head: [heads, part, d_head, ...] rows
+            heads = [t.reshape(-1, config.d_head, *t.shape[1:]) for t in ts]
+            yield name, np.ascontiguousarray(np.stack(heads, axis=1).reshape(-1, *ts[0].shape[1:]))
 
 def _parse_size(s) -> int:
     if isinstance(s, int): return s

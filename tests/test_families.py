@@ -1,0 +1,186 @@
+"""Llama, Mistral, Qwen2 and GPT-NeoX against Hugging Face's own torch classes: logits, greedy generation, the KV cache,
+save → HF reload, LoRA, a sharded run, and the presets' parameter counts."""
+import numpy as np
+import numpy.testing as npt
+import pytest
+import jax
+from conftest import hf_logits
+from meshtx import LM, ModelConfig, KVCache, gptj
+from meshtx.config import PRESETS, quiet_transformers
+from meshtx.sharding import make_mesh
+
+pytestmark = pytest.mark.parity
+
+LLAMA = ModelConfig(family="llama", n_layer=2, d_model=64, n_head=4, n_kv_head=2, n_vocab=300, n_ctx=128,
+                    rotary_base=500.0)
+NEOX = ModelConfig(family="gpt_neox", n_layer=2, d_model=64, n_head=4, n_vocab=300, n_ctx=128)
+VARIANTS = {
+    "llama gqa": LLAMA,
+    "llama mqa tied": LLAMA.replace(n_kv_head=1, tie_embeddings=True),
+    "llama biases, d_head 24": LLAMA.replace(d_head=24, rotary_dim=24, qkv_bias=True, out_bias=True, mlp_bias=True),
+    "llama3 rope": LLAMA.replace(rope_scaling="llama3", rope_factor=8.0, rope_original_ctx=16),
+    "linear rope": LLAMA.replace(rope_scaling="linear", rope_factor=4.0),
+    "mistral window": LLAMA.replace(family="mistral", sliding_window=7),
+    "qwen2": LLAMA.replace(family="qwen2", qkv_bias=True, ln_eps=1e-6),
+    "neox parallel": NEOX,
+    "neox sequential, half rotary": NEOX.replace(parallel_residual=False, rotary_dim=8),
+}
+
+
+def make_hf(cfg, seed=0):
+    "A random model of `cfg`'s family from Hugging Face's class, with weights large enough for a meaningful comparison."
+    import torch
+    transformers = quiet_transformers(); transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg.to_hf()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1: p.normal_(1.0 if "norm" in name and name.endswith("weight") else 0.0, 0.5 if "norm" in name else 0.3)
+            else: p.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.fixture
+def family_checkpoint(tmp_path):
+    def make(cfg, seed=0):
+        model = make_hf(cfg, seed)
+        model.save_pretrained(tmp_path / "ckpt")
+        return tmp_path / "ckpt", model
+    return make
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_logits_match_hf(name, family_checkpoint):
+    cfg = VARIANTS[name]
+    path, model = family_checkpoint(cfg)
+    lm = LM.from_hf(path, dtype="float32", progress=False)
+    arch = ("family", "n_kv_head", "d_head", "rotary_dim", "norm", "activation", "gated_mlp", "parallel_residual",
+            "mlp_norm", "rotary_style", "rotary_base", "rope_scaling", "rope_factor", "qkv_bias", "out_bias",
+            "mlp_bias", "lm_head_bias", "tie_embeddings", "sliding_window")
+    assert {f: getattr(lm.config, f) for f in arch} == {f: getattr(cfg, f) for f in arch}   # config.json read back
+    tokens = np.random.default_rng(1).integers(0, cfg.n_vocab, (2, 23))
+    ref, got = hf_logits(model, tokens), np.asarray(lm.logits(tokens))
+    assert np.abs(ref).max() > 1.0
+    npt.assert_allclose(got, ref, atol=1e-4, rtol=0)
+    # left padding: the real tokens' logits are the unpadded row's (positions, and the window, count real tokens)
+    mask = np.ones_like(tokens); mask[0, :6] = 0
+    padded = np.asarray(lm.logits(tokens, mask))
+    npt.assert_allclose(padded[0, 6:], hf_logits(model, tokens[:1, 6:])[0], atol=1e-4, rtol=0)
+
+
+def test_dynamic_rope_past_the_original_context():
+    "NTK-dynamic scaling raises θ once a sequence outgrows the original context: beyond n_ctx, as HF computes it."
+    import torch
+    cfg = LLAMA.replace(rope_scaling="dynamic", rope_factor=2.0, n_ctx=8)
+    model = make_hf(cfg)
+    from meshtx.weights import hf_layout
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    shapes = jax.eval_shape(gptj(cfg).init, jax.random.key(0), np.zeros((1, 1), np.int32))
+    params = {m: {p: np.zeros(x.shape, x.dtype) for p, x in ps.items()} for m, ps in shapes.items()}
+    for name, ((m, p, index),) in hf_layout(cfg).items(): params[m][p][index] = sd[name]
+    tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, (1, 20))   # 20 > 8: θ grows
+    got = np.asarray(jax.jit(gptj(cfg).apply)(params, tokens))
+    with torch.no_grad(): ref = model(torch.tensor(tokens)).logits.numpy()
+    npt.assert_allclose(got, ref, atol=1e-4, rtol=0)
+    plain = np.asarray(jax.jit(gptj(cfg.replace(rope_scaling="none")).apply)(params, tokens))
+    assert np.abs(plain - ref).max() > 1e-2   # the scaling mattered
+
+
+@pytest.mark.parametrize("name", ["llama gqa", "mistral window", "neox parallel"])
+def test_kv_cache_and_greedy_generation_match_hf(name, family_checkpoint):
+    "Prefill then decoding token by token gives HF's full-sequence logits; greedy generation is HF's, token for token."
+    import torch
+    cfg = VARIANTS[name]
+    path, model = family_checkpoint(cfg)
+    lm = LM.from_hf(path, dtype="float32", progress=False)
+    tokens = np.random.default_rng(3).integers(0, cfg.n_vocab, (2, 20))
+    ref = hf_logits(model, tokens)
+    step = jax.jit(gptj(lm.config).apply)
+    logits, cache = step(lm.params, tokens[:, :6], None, KVCache.init(lm.config, 2, 32))
+    npt.assert_allclose(logits, ref[:, :6], atol=1e-4, rtol=0)
+    for t in range(6, 20):   # the window (7) slides over the cache after a few steps
+        logits, cache = step(lm.params, tokens[:, t:t + 1], None, cache)
+        npt.assert_allclose(logits[:, 0], ref[:, t], atol=1e-4, rtol=0)
+    prompt = tokens[0, :5].tolist()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, 5:].tolist()
+    got = lm.generate([prompt], max_new_tokens=24, temperature=0, eos_token_id=None).tokens[0]
+    assert got == want
+
+
+@pytest.mark.parametrize("name", ["llama mqa tied", "qwen2", "neox sequential, half rotary"])
+def test_save_hf_round_trip(name, tmp_path):
+    "meshtx's weights → save_hf → the family's HF class: the same tensors, bit for bit, and the same logits."
+    cfg = VARIANTS[name]
+    lm = LM.init(cfg, seed=4)
+    lm.save_hf(tmp_path / "out", progress=False)
+    transformers = quiet_transformers()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(hf).__name__ == cfg.to_hf().architectures[0]
+    tokens = np.random.default_rng(5).integers(0, cfg.n_vocab, (2, 12))
+    npt.assert_allclose(hf_logits(hf, tokens), np.asarray(lm.logits(tokens)), atol=1e-4, rtol=0)
+    back = LM.from_hf(tmp_path / "out", dtype="float32", progress=False)
+    jax.tree.map(npt.assert_array_equal, jax.tree.map(np.asarray, back.params), jax.tree.map(np.asarray, lm.params))
+
+
+def test_lora_step_on_llama_adapts_the_gate_and_merges():
+    from meshtx.config import LoRAConfig
+    from meshtx.lora import split_adapters
+    from meshtx.train import Trainer
+    lm = LM.init(LLAMA, seed=1)
+    rng = np.random.default_rng(0)
+    batch = rng.integers(0, LLAMA.n_vocab, (1, 4, 17))
+    def batches():   # one batch again and again: the adapters learn it
+        while True: yield batch
+    t = Trainer(lm, batches(), lora=LoRAConfig(rank=4), lr=1e-2, progress=False)
+    losses = [t.step()["loss"] for _ in range(4)]
+    assert losses[-1] < losses[0]
+    adapters = split_adapters(lm.params)[1]
+    assert adapters["gptj/blocks/mlp/fc_gate"]["lora_fc_gate_a"].shape == (2, 64, 4)
+    assert adapters["gptj/blocks/attn"]["lora_k_b"].shape == (2, 4, 32)            # k: 2 kv heads × 16
+    tokens = rng.integers(0, LLAMA.n_vocab, (2, 10))
+    before = np.asarray(lm.logits(tokens))
+    lm.merge_lora()
+    npt.assert_allclose(np.asarray(lm.logits(tokens)), before, atol=1e-5)
+
+
+@pytest.mark.compat
+def test_sharded_gqa_model_matches_one_device(family_checkpoint):
+    "mp splits query heads and key/value heads alike; greedy decoding on a mesh equals one device."
+    cfg = VARIANTS["qwen2"]
+    path, _ = family_checkpoint(cfg)
+    one = LM.from_hf(path, dtype="float32", progress=False)
+    mesh = make_mesh(dp=2, mp=2, devices=jax.devices()[:4], config=cfg)
+    lm = LM.from_hf(path, dtype="float32", progress=False, mesh=mesh)
+    assert lm.params["gptj/blocks/attn"]["k"].sharding.spec[1] == "mp"
+    tokens = np.random.default_rng(2).integers(0, cfg.n_vocab, (2, 16))
+    npt.assert_allclose(np.asarray(lm.logits(tokens)), np.asarray(one.logits(tokens)), atol=1e-4)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    assert lm.generate(prompts, max_new_tokens=12, temperature=0).tokens == one.generate(prompts, max_new_tokens=12, temperature=0).tokens
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if ModelConfig.preset(n).family != "gptj" or n == "gptj-6b"])
+def test_preset_parameter_counts_equal_hf(name):
+    "Each preset's count is that of Hugging Face's model built from its config (on the meta device: no memory)."
+    import torch
+    cfg = ModelConfig.preset(name)
+    with torch.device("meta"):
+        hf = quiet_transformers().AutoModelForCausalLM.from_config(cfg.to_hf())
+    assert sum(p.numel() for p in hf.parameters()) == cfg.n_params
+    assert sum(np.prod(x.shape) for x in jax.tree.leaves(jax.eval_shape(gptj(cfg).init, jax.random.key(0), np.zeros((1, 1), np.int32)))) == cfg.n_params
+
+
+def test_bad_family_configs_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="model_type='bert'"):
+        ModelConfig.from_hf({"model_type": "bert"})
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        ModelConfig.from_hf(quiet_transformers().Qwen2Config(use_sliding_window=True, sliding_window=64).to_dict())
+    with pytest.raises(ValueError, match="parallel_residual=True cannot be written as Hugging Face's LlamaConfig"):
+        LLAMA.replace(parallel_residual=True).to_hf()
+    with pytest.raises(ValueError, match="n_kv_head=3 must divide n_head=4"):
+        LLAMA.replace(n_kv_head=3)
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+        ModelConfig.from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="mp=4 must divide n_head=4, n_kv_head=2"):
+        make_mesh(mp=4, devices=jax.devices()[:4], config=LLAMA)
