@@ -13,8 +13,8 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['DTYPES', 'ATTENTION', 'REMAT_POLICIES', 'CACHE_READS', 'FAMILIES', 'FAMILY_NAMES', 'CHOICES', 'LIMITS', 'LIMIT_WHY',
-           'PRESETS', 'HF_CLASSES', 'RUN_FIELDS', 'MTJ_MODEL_KEYS', 'MTJ_OTHER_KEYS', 'LORA_TARGETS', 'ModelConfig',
-           'family_name', 'quiet_transformers', 'LoRAConfig']
+           'PRESETS', 'HF_CLASSES', 'RUN_FIELDS', 'MTJ_MODEL_KEYS', 'MTJ_OTHER_KEYS', 'LORA_TARGETS', 'Switches',
+           'ModelConfig', 'family_name', 'quiet_transformers', 'LoRAConfig']
 
 # %% ../nbs/00_config.ipynb #ca778efc
 DTYPES = ("float32", "bfloat16", "float16")
@@ -22,28 +22,10 @@ ATTENTION = ("xla", "cudnn")                    # how full-sequence attention ru
 REMAT_POLICIES = ("nothing", "dots")            # what a rematerialized block keeps for the backward pass
 CACHE_READS = ("auto", "chunks", "all")         # how a decoding step reads the KV cache (see the model notebook)
 
-@dataclass(frozen=True)
-class ModelConfig:
-    "The shape of a GPT-J model (or of a model of another family, see below), plus the dtypes it is stored and computed in."
-    n_layer: int               # transformer blocks
-    d_model: int               # width of the residual stream
-    n_head: int                # attention heads
-    n_vocab: int               # rows of the embedding / columns of the lm head
-    n_ctx: int = 2048          # longest sequence the model is meant for
-    rotary_dim: int | None = None   # leading features of each head that get rotary embeddings; default: the family's
-    d_head: int | None = None  # features per head; default d_model // n_head
-    d_ff: int | None = None    # MLP width; default 4 * d_model
-    ln_eps: float = 1e-5       # LayerNorm (or RMSNorm) epsilon
-    param_dtype: str = "float32"    # how parameters are stored
-    compute_dtype: str = "float32"  # what the matmuls run in
-    remat: bool = False        # recompute each block in the backward pass (saves activation memory)
-    remat_policy: str = "nothing"   # with remat, what is kept: "nothing", or "dots" (matmul outputs)
-    attention: str = "xla"     # "xla" (einsum, any backend) or "cudnn" (cuDNN flash attention, NVIDIA GPUs)
-    cache_read: str = "auto"   # decoding reads the KV cache's filled "chunks" or "all" its slots; "auto": "all" on GPUs
-    eos_token_id: int | None = None  # the end-of-text token generation stops at; None: `end_of_text`'s default
-    bos_token_id: int | None = None  # kept for Hugging Face's config.json; None: the same default
-    pad_token_id: int | None = None  # kept for Hugging Face's config.json; None: none
-    # what other families change (the "Families" section below); None: the value `family` gives it
+# %% ../nbs/00_config.ipynb #fa100006
+@dataclass(frozen=True, kw_only=True)
+class Switches:
+    "What other families change (the \"Families\" section below); None: the value `family` gives it."
     family: str = "gptj"       # Hugging Face's model_type: "gptj", "llama", "mistral", "qwen2" or "gpt_neox"
     n_kv_head: int | None = None    # key/value heads (grouped-query attention when fewer than n_head)
     norm: str | None = None         # "layernorm" or "rmsnorm"
@@ -65,6 +47,30 @@ class ModelConfig:
     tie_embeddings: bool | None = None   # the lm head is the embedding matrix
     sliding_window: int | None = None    # each token attends to at most this many (itself included); None: all
 
+# %% ../nbs/00_config.ipynb #fa100007
+@dataclass(frozen=True)
+class ModelConfig(Switches):
+    """The shape of a GPT-J model, plus the dtypes it is stored and computed in; with `Switches` (above), of a model of
+    another family."""
+    n_layer: int               # transformer blocks
+    d_model: int               # width of the residual stream
+    n_head: int                # attention heads
+    n_vocab: int               # rows of the embedding / columns of the lm head
+    n_ctx: int = 2048          # longest sequence the model is meant for
+    rotary_dim: int | None = None   # leading features of each head that get rotary embeddings; default: the family's
+    d_head: int | None = None  # features per head; default d_model // n_head
+    d_ff: int | None = None    # MLP width; default 4 * d_model
+    ln_eps: float = 1e-5       # LayerNorm (or RMSNorm) epsilon
+    param_dtype: str = "float32"    # how parameters are stored
+    compute_dtype: str = "float32"  # what the matmuls run in
+    remat: bool = False        # recompute each block in the backward pass (saves activation memory)
+    remat_policy: str = "nothing"   # with remat, what is kept: "nothing", or "dots" (matmul outputs)
+    attention: str = "xla"     # "xla" (einsum, any backend) or "cudnn" (cuDNN flash attention, NVIDIA GPUs)
+    cache_read: str = "auto"   # decoding reads the KV cache's filled "chunks" or "all" its slots; "auto": "all" on GPUs
+    eos_token_id: int | None = None  # the end-of-text token generation stops at; None: `end_of_text`'s default
+    bos_token_id: int | None = None  # kept for Hugging Face's config.json; None: the same default
+    pad_token_id: int | None = None  # kept for Hugging Face's config.json; None: none
+
     def __post_init__(self):   # the defaults that follow from other fields, then the checks (next cell)
         if self.family not in FAMILIES:
             raise ValueError(f"family={self.family!r} is not one of {tuple(FAMILIES)}")
@@ -77,6 +83,11 @@ class ModelConfig:
         for f, v in FAMILIES[self.family].items():
             if getattr(self, f) is None: object.__setattr__(self, f, v(self) if callable(v) else v)
         _validate(self)
+
+    def __repr__(self):   # the shape first, then the switches
+        names = [f.name for f in dataclasses.fields(self)]
+        names = names[len(dataclasses.fields(Switches)):] + names[:len(dataclasses.fields(Switches))]
+        return f"ModelConfig({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
 
 # %% ../nbs/00_config.ipynb #fa000002
 _GPTJ = dict(n_kv_head=lambda c: c.n_head, rotary_dim=64, norm="layernorm", activation="gelu_new", gated_mlp=False,
@@ -114,6 +125,7 @@ def _check_positive(name, value):
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a positive integer")
 
+# %% ../nbs/00_config.ipynb #fa100001
 def _validate(c: ModelConfig):
     "Refuse impossible or absurd shapes with one line naming the field, its value and the limit."
     for f in ("n_layer", "d_model", "n_head", "n_kv_head", "n_vocab", "n_ctx", "rotary_dim", "d_head", "d_ff"):
@@ -126,6 +138,11 @@ def _validate(c: ModelConfig):
         raise ValueError(f"rotary_dim={c.rotary_dim} must be even (rotary rotates pairs of features)")
     if c.rotary_dim > c.d_head:
         raise ValueError(f"rotary_dim={c.rotary_dim} is larger than d_head={c.d_head}")
+    _check_numbers(c); _check_choices(c)
+
+# %% ../nbs/00_config.ipynb #fa100004
+def _check_numbers(c: ModelConfig):
+    "Positive numbers, token ids."
     for f in ("ln_eps", "rotary_base", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
         v = getattr(c, f)
         if isinstance(v, bool) or not (isinstance(v, (int, float)) and 0 < v < float("inf")):
@@ -142,6 +159,10 @@ def _validate(c: ModelConfig):
             raise ValueError(f"{f}={v!r} must be a token id (an integer ≥ 0) or None")
         if v is not None and v >= 2**31:
             raise ValueError(f"{f}={v} is not a token id: ids are 32-bit (below 2,147,483,648)")
+
+# %% ../nbs/00_config.ipynb #fa100005
+def _check_choices(c: ModelConfig):
+    "Named choices and switches."
     for f, allowed in (("param_dtype", DTYPES), ("compute_dtype", DTYPES), ("attention", ATTENTION),
                        ("remat_policy", REMAT_POLICIES), ("cache_read", CACHE_READS), *CHOICES.items()):
         if getattr(c, f) not in allowed:
@@ -201,8 +222,12 @@ def to_dict(self: ModelConfig) -> dict: return asdict(self)
 
 @patch
 def replace(self: ModelConfig, **changes) -> ModelConfig:
-    "A copy with some fields changed (and validated again)."
-    return type(self).from_dict({**self.to_dict(), **changes})
+    """A copy with some fields changed (and validated again). A switch that had its family's value (`FAMILIES`) is
+    derived again: `replace(n_head=8)` keeps `n_kv_head == n_head`, `replace(family="llama")` gives Llama's switches."""
+    d = self.to_dict()
+    for f, v in FAMILIES[self.family].items():
+        if f not in changes and getattr(self, f) == (v(self) if callable(v) else v): d[f] = None
+    return type(self).from_dict({**d, **changes})
 
 # %% ../nbs/00_config.ipynb #e378b00a
 @patch(as_prop=True)
@@ -315,6 +340,7 @@ def _from_llama(d: dict, defaults: dict, family: str) -> dict:
         raise ValueError("use_sliding_window=True: Qwen2's sliding window on some layers only is not supported by meshtx")
     return out
 
+# %% ../nbs/00_config.ipynb #fa100003
 def _from_neox(d: dict, defaults: dict) -> dict:
     pct = _partial_rotary(d, defaults)
     d = {**defaults, **d}
@@ -372,6 +398,7 @@ def _hf_kwargs(c: ModelConfig) -> dict:
     if c.family == "mistral": out["sliding_window"] = c.sliding_window
     return out
 
+# %% ../nbs/00_config.ipynb #fa100002
 @patch
 def to_hf(self: ModelConfig):
     """The equivalent Hugging Face config (`GPTJConfig`, `LlamaConfig`, ...), for the family's `...ForCausalLM`. A switch

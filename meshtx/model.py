@@ -32,6 +32,17 @@ def rotary_angles(positions: jax.Array, rotary_dim: int, base: float = 10000.0, 
     return jnp.sin(angles), jnp.cos(angles)
 
 # %% ../nbs/01_model.ipynb #fb000002
+def _llama3_frequencies(inv, cfg: ModelConfig):
+    "Llama 3's: wavelengths past the original context's ÷ low_freq_factor divided by the factor, below ÷ high_freq_factor kept, blended between."
+    old, lo, hi, f = (np.float32(v) for v in (cfg.rope_original_ctx or cfg.n_ctx, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_factor))
+    wavelen = np.float32(2 * math.pi) / inv
+    scaled = np.where(wavelen > old / lo, inv / f, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * scaled / f + smooth * scaled
+    medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+    return np.where(medium, blended, scaled).astype(np.float32)
+
+# %% ../nbs/01_model.ipynb #fb100003
 def rotary_frequencies(cfg: ModelConfig, longest=None):
     """The rotary frequencies `θ^(-2i/r)` `[rotary_dim // 2]` of `cfg`, scaled as its `rope_scaling` says, as Hugging
     Face computes them: "linear" divides them by the factor; "llama3" divides the low ones and blends the middle ones;
@@ -40,14 +51,7 @@ def rotary_frequencies(cfg: ModelConfig, longest=None):
     exps = np.arange(0, r, 2, dtype=np.float32) / np.float32(r)
     inv = 1.0 / (np.float32(cfg.rotary_base) ** exps)
     if cfg.rope_scaling == "linear": return inv / f
-    if cfg.rope_scaling == "llama3":
-        old, lo, hi = np.float32(cfg.rope_original_ctx or cfg.n_ctx), np.float32(cfg.rope_low_freq_factor), np.float32(cfg.rope_high_freq_factor)
-        wavelen = np.float32(2 * math.pi) / inv
-        scaled = np.where(wavelen > old / lo, inv / f, inv)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        blended = (1 - smooth) * scaled / f + smooth * scaled
-        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
-        return np.where(medium, blended, scaled).astype(np.float32)
+    if cfg.rope_scaling == "llama3": return _llama3_frequencies(inv, cfg)
     if cfg.rope_scaling == "dynamic" and longest is not None:
         old = cfg.rope_original_ctx or cfg.n_ctx
         n = jnp.maximum(longest, old).astype(jnp.float32)
@@ -245,6 +249,7 @@ def _project(x, name: str, n_out: int, cfg: ModelConfig, lora, bias: bool):
     y = dense(x, _param(name, (n_out, x.shape[-1]), cfg)) + lora_update(x, name, n_out, cfg, lora)
     return y + _param(f"{name}_bias", (n_out,), cfg, jnp.zeros) if bias else y
 
+# %% ../nbs/01_model.ipynb #fb100001
 def block(x, sin, cos, mask, cfg: ModelConfig, cache: KVCache | None = None, layer=None, hint=no_hint, lora=None):
     """One GPT-J block on `x` `[B, T, D]`; when decoding, attention also sees block `layer`'s slots of `cache`.
     Returns the new `x` and this block's new keys and values `[B, n_kv_head, T, d]` (for the cache)."""
@@ -308,6 +313,7 @@ def self_mask(live, cfg: ModelConfig, padded: bool):
         mask &= pos[:, :, None] - pos[:, None, :] < cfg.sliding_window
     return mask
 
+# %% ../nbs/01_model.ipynb #fb100002
 def scan_blocks(x, sin, cos, live, attention_mask, cache, cfg: ModelConfig, hint=no_hint, lora=None):
     """The blocks on `x`, as one `hk.layer_stack` (a `scan`) over their stacked `[n_layer, ...]` weights (`blocks/...`):
     the new `x` and the updated cache (or None)."""
