@@ -31,7 +31,8 @@ def _check_splits(config: ModelConfig, n_devices: int, fsdp: int, mp: int):
     "Refuse `fsdp` and `mp` sizes that do not divide the model's shapes, naming the sizes that would."
     if not _mp_ok(config, mp):
         ok = [d for d in _divisors(n_devices) if _mp_ok(config, d)]
-        raise ValueError(f"mp={mp} must divide n_head={config.n_head}, n_kv_head={config.n_kv_head} and d_ff={config.d_ff}; "
+        kv = f", n_kv_head={config.n_kv_head}" if config.n_kv_head != config.n_head else ""
+        raise ValueError(f"mp={mp} must divide n_head={config.n_head}{kv} and d_ff={config.d_ff}; "
                          f"with {n_devices} devices mp can be {ok}")
     if config.d_model % fsdp:
         ok = [d for d in _divisors(n_devices) if config.d_model % d == 0]
