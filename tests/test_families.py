@@ -49,6 +49,7 @@ def family_checkpoint(tmp_path):
     return make
 
 
+@pytest.mark.transformers4   # config.json in transformers 4's names too (rope_scaling, rotary_pct)
 @pytest.mark.parametrize("name", VARIANTS)
 def test_logits_match_hf(name, family_checkpoint):
     cfg = VARIANTS[name]
@@ -86,6 +87,7 @@ def test_dynamic_rope_past_the_original_context():
     assert np.abs(plain - ref).max() > 1e-2   # the scaling mattered
 
 
+@pytest.mark.transformers4
 @pytest.mark.parametrize("name", ["llama gqa", "mistral window", "neox parallel"])
 def test_kv_cache_and_greedy_generation_match_hf(name, family_checkpoint):
     "Prefill then decoding token by token gives HF's full-sequence logits; greedy generation is HF's, token for token."

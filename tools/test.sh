@@ -48,7 +48,7 @@ if [ "${MESHTX_SKIP_COMPAT:-0}" != 1 ]; then
     rm -rf "$tf4"; python -m pip install -q --target "$tf4" --no-deps transformers==4.45.0 tokenizers==0.20.3 huggingface_hub==0.36.0
   fi
   PYTHONPATH="$tf4" python -c 'import transformers; assert transformers.__version__ == "4.45.0"; print("transformers", transformers.__version__)'
-  PYTHONPATH="$tf4" python -m pytest tests/test_parity.py tests/test_sampling.py -q -m transformers4   # (lm-eval needs a newer hub)
+  PYTHONPATH="$tf4" python -m pytest tests/test_parity.py tests/test_sampling.py tests/test_families.py -q -m transformers4   # (lm-eval needs a newer hub)
 
   echo "== parity, sharding and multi-host tests under jax 0.7.2"
   overlay="${MESHTX_JAX072_DIR:-$HOME/.cache/meshtx/jax072}"
