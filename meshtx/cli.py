@@ -355,7 +355,7 @@ def _add_finetune(sub):
     s.add_argument("--lora", type=int, nargs="?", const=8, help="train LoRA adapters of this rank (default 8) instead of all weights")
     s.add_argument("--lora-alpha", type=float, help="LoRA scale numerator: adapters are scaled by alpha / rank "
                    "(default 2 × rank, as LoRAConfig)")
-    s.add_argument("--lora-targets", help="comma-separated: q,k,v,out,fc_in,fc_out (default all)")
+    s.add_argument("--lora-targets", help="comma-separated: q,k,v,out,fc_in,fc_gate,fc_out (default all; fc_gate: gated MLPs, Llama's)")
     s.add_argument("--steps", type=_positive, default=100, help="optimizer steps (default 100)")
     s.add_argument("--batch", type=_positive, default=8, help="sequences per micro-batch (global; default 8); a step trains batch × accum")
     s.add_argument("--accum", type=_positive, default=1, help="micro-batches per step (gradient accumulation; default 1)")
@@ -387,7 +387,7 @@ def cmd_plan(args) -> int:
 def _add_plan(sub):
     "Add `meshtx plan` to `sub`: the model, the devices, and what the memory is for."
     s = sub.add_parser("plan", help="memory per device: will it fit?")
-    s.add_argument("--preset", default="gptj-6b", help="model preset (default gptj-6b)")
+    s.add_argument("--preset", default="gptj-6b", help="model preset (default gptj-6b; also llama-3.1-8b, mistral-7b, qwen2.5-7b, pythia-1.4b, ...)")
     s.add_argument("--hf-config", help="a Hugging Face config.json (or its directory) instead of a preset")
     s.add_argument("--devices", type=_positive, default=1, help="number of devices (default 1)")
     s.add_argument("--mode", choices=["infer", "train", "lora"], default="infer")

@@ -105,7 +105,8 @@ def perplexity(lm: LM, texts, max_length=None, stride=None, batch_size=8, progre
     max_length = lm.config.n_ctx if max_length is None else max_length
     if not 1 <= max_length <= lm.config.n_ctx:
         raise ValueError(f"max_length={max_length} must be between 1 and the model's context n_ctx={lm.config.n_ctx}")
-    windows = [w for t in texts for w in rolling_windows(lm.tokenizer(t).input_ids, max_length, stride, lm.document_start)]
+    ids = [lm.tokenizer.encode(t, add_special_tokens=False) for t in texts]   # no BOS of the tokenizer's: the prefix starts it
+    windows = [w for i in ids for w in rolling_windows(i, max_length, stride, lm.document_start)]
     if not windows: raise ValueError("no tokens to score: every text is empty")
     res = score(lm, [s for s, _ in windows], [n for _, n in windows], batch_size, max_length, progress)
     return math.exp(-sum(lp for lp, _ in res) / sum(n for _, n in windows))

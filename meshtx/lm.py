@@ -97,7 +97,10 @@ def eos_token_id(self: LM) -> int:
 
 @patch(as_prop=True)
 def document_start(self: LM) -> int:
-    "The token a document follows (a perplexity window's prefix, an empty prompt): `eos_token_id` if in the vocabulary."
+    """The token a document follows (a perplexity window's prefix, an empty prompt): the config's `bos_token_id` (Llama's
+    `<|begin_of_text|>`; GPT-J's is its end-of-text), else `eos_token_id`, if in the vocabulary."""
+    bos = self.config.bos_token_id
+    if bos is not None and bos < self.config.n_vocab: return bos
     return self.eos_token_id if self.eos_token_id < self.config.n_vocab else min(EOT, self.config.n_vocab - 1)
 
 # %% ../nbs/04_lm.ipynb #e28fd59e
