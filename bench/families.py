@@ -1,6 +1,6 @@
 """Another family at its real size on this machine: meshtx against HF transformers, each in its own process.
 
-    python bench/families.py llama-3.2-1b [--layers N] [--new 16] [--workdir DIR]
+    python bench/families.py llama-3.2-1b [--layers N] [--new 16] [--dtype bfloat16|float32] [--workdir DIR]
 
 Writes (once, cached under `--workdir`) a random bfloat16 checkpoint of the preset's shape in Hugging Face's layout
 (sharded safetensors, the names `meshtx.families` maps, the family's own `config.json`), tensor by tensor from a
@@ -77,7 +77,7 @@ def child_hf(a):
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(os.cpu_count() or 1)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=getattr(torch, a.dtype)).eval()
     out = {"load": time.perf_counter() - t0, "load_peak": peak()}
     x = torch.tensor(prompt(a))
     def run(n):
@@ -109,7 +109,7 @@ def child_meshtx(a):
     import numpy as np, jax
     from meshtx import LM
     t0 = time.perf_counter()
-    lm = LM.from_hf(a.ckpt, progress=False, tokenizer=None)
+    lm = LM.from_hf(a.ckpt, dtype=a.dtype, progress=False, tokenizer=None)
     jax.block_until_ready(lm.params)
     out = {"load": time.perf_counter() - t0, "load_peak": peak()}
     ids = prompt(a).tolist()
@@ -121,7 +121,7 @@ def child_meshtx(a):
     diff = next((i for i in range(min(len(tokens), len(hf_t))) if tokens[i] != hf_t[i]), None)
     out.update(tokens_equal=tokens == hf_t, first_diff=diff, clear_positions=sure,
                equal_where_clear=tokens[:sure] == hf_t[:sure], gap_at_diff=None if diff is None else float(gaps[diff]))
-    got, want = np.asarray(lm.logits(prompt(a)))[0], ref["logits"]   # bf16 both: within bf16 noise, not 1e-4
+    got, want = np.asarray(lm.logits(prompt(a)))[0], ref["logits"]   # bf16: within bf16 noise; float32: ~1e-4
     out.update(logits_max_diff=float(np.abs(got - want).max()), logits_scale=float(np.abs(want).max()),
                argmax_agree=float((got.argmax(-1) == want.argmax(-1)).mean()))
     out["decode1"] = _rate(run, a)
@@ -137,7 +137,7 @@ def child(a):
 
 def spawn(a, which: str) -> dict:
     cmd = [sys.executable, __file__, a.preset, "--child", which, "--ckpt", a.ckpt, "--workdir", a.workdir,
-           "--new", str(a.new), "--repeats", str(a.repeats)] + (["--layers", str(a.layers)] if a.layers else [])
+           "--new", str(a.new), "--repeats", str(a.repeats), "--dtype", a.dtype] + (["--layers", str(a.layers)] if a.layers else [])
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
     line = next((l for l in p.stdout.splitlines() if l.startswith(MARK)), None)
@@ -149,6 +149,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("preset"); p.add_argument("--layers", type=int, default=0)
     p.add_argument("--new", type=int, default=16); p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="both sides compute in it")
     p.add_argument("--workdir", default=str(Path.home() / ".cache/meshtx/bench-families"))
     p.add_argument("--ckpt", default=None); p.add_argument("--child", default=None)
     p.add_argument("--timeout", type=int, default=3600); p.add_argument("--json", default=None)
@@ -161,7 +162,7 @@ def main():
     rows["hf"] = spawn(a, "hf")
     rows["meshtx"] = spawn(a, "meshtx")
     import platform
-    print(json.dumps({"preset": a.preset, "layers": a.layers or "all", "new": a.new, "cpus": os.cpu_count(),
+    print(json.dumps({"preset": a.preset, "layers": a.layers or "all", "dtype": a.dtype, "new": a.new, "cpus": os.cpu_count(),
                       "machine": platform.machine(), **rows}, indent=1))
     h, m = rows["hf"], rows["meshtx"]
     if "error" not in h and "error" not in m:
