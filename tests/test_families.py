@@ -9,8 +9,6 @@ from meshtx import LM, ModelConfig, KVCache, gptj
 from meshtx.config import PRESETS, quiet_transformers
 from meshtx.sharding import make_mesh
 
-pytestmark = pytest.mark.parity
-
 LLAMA = ModelConfig(family="llama", n_layer=2, d_model=64, n_head=4, n_kv_head=2, n_vocab=300, n_ctx=128,
                     rotary_base=500.0)
 NEOX = ModelConfig(family="gpt_neox", n_layer=2, d_model=64, n_head=4, n_vocab=300, n_ctx=128)
@@ -49,6 +47,7 @@ def family_checkpoint(tmp_path):
     return make
 
 
+@pytest.mark.parity
 @pytest.mark.transformers4   # config.json in transformers 4's names too (rope_scaling, rotary_pct)
 @pytest.mark.parametrize("name", VARIANTS)
 def test_logits_match_hf(name, family_checkpoint):
@@ -69,6 +68,7 @@ def test_logits_match_hf(name, family_checkpoint):
     npt.assert_allclose(padded[0, 6:], hf_logits(model, tokens[:1, 6:])[0], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parity
 def test_dynamic_rope_past_the_original_context():
     "NTK-dynamic scaling raises θ once a sequence outgrows the original context: beyond n_ctx, as HF computes it."
     import torch
@@ -87,6 +87,7 @@ def test_dynamic_rope_past_the_original_context():
     assert np.abs(plain - ref).max() > 1e-2   # the scaling mattered
 
 
+@pytest.mark.parity
 @pytest.mark.transformers4
 @pytest.mark.parametrize("name", ["llama gqa", "mistral window", "neox parallel"])
 def test_kv_cache_and_greedy_generation_match_hf(name, family_checkpoint):
