@@ -110,3 +110,43 @@ def test_serve_chat_completions_through_the_checkpoints_template(llama_dir, tmp_
         assert c.choices[0].message.content == lm.generate(prompt, max_new_tokens=6, temperature=0).texts[0]
     finally:
         proc.terminate(); proc.wait(30)
+
+
+def test_lm_eval_log_likelihoods_equal_hflm(llama_dir):
+    "lm-eval's own HF model and meshtx's, on the same Llama checkpoint: the same log-likelihoods, rolling ones too."
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from meshtx.evaluate import MeshtxLM
+    d, _, _ = llama_dir
+    pairs = [("The notebooks are", " the source"), ("", "meshtx"), ("A model family is", " configuration")]
+    reqs = [Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)]
+    rolling = [Instance("loglikelihood_rolling", {}, ("Each notebook teaches one idea in prose, code and tests.",), 0)]
+    ours = MeshtxLM(pretrained=str(d), dtype="float32", max_length=16)
+    theirs = HFLM(pretrained=str(d), dtype="float32", device="cpu", batch_size=1, max_length=16)
+    for a, b in zip(ours.loglikelihood(reqs, disable_tqdm=True), theirs.loglikelihood(reqs, disable_tqdm=True)):
+        assert a[0] == pytest.approx(b[0], abs=1e-4) and a[1] == b[1]
+    assert ours.loglikelihood_rolling(rolling, disable_tqdm=True)[0] == pytest.approx(
+        theirs.loglikelihood_rolling(rolling, disable_tqdm=True)[0], abs=1e-3)
+
+
+def test_full_fine_tune_checkpoint_and_sampler_widget(llama_dir, tmp_path):
+    "A full fine-tuning step of the Llama, saved and loaded back as a model; the sampler widget on it writes its text."
+    import itertools, jax
+    from meshtx.train import Trainer
+    from meshtx.widgets import SamplerWidget
+    d, _, _ = llama_dir
+    batch = np.random.default_rng(0).integers(0, CFG.n_vocab, (1, 2, 17))
+    t = Trainer(LM.from_hf(d, dtype="float32", progress=False), itertools.repeat(batch), lr=1e-3,
+                checkpoint_dir=tmp_path / "ck", progress=False)
+    losses = [t.step()["loss"] for _ in range(3)]
+    assert losses[-1] < losses[0]
+    t.save()
+    lm = LM.load(tmp_path / "ck")
+    assert lm.config.family == "llama" and lm.config.n_kv_head == 2
+    jax.tree.map(npt.assert_array_equal, jax.tree.map(np.asarray, lm.params), jax.tree.map(np.asarray, t.lm.params))
+    lm.tokenizer = t.lm.tokenizer
+    w = SamplerWidget(lm, prompt="The notebooks")
+    w.temperature.value, w.max_tokens.value = 0.0, 6
+    w.generate_button.click()
+    assert w.controller.wait(120)
+    assert w.controller.text == lm.generate("The notebooks", max_new_tokens=6, temperature=0).texts[0]
