@@ -103,6 +103,8 @@ FAMILIES = {   # the switches each family sets when a config leaves them None
     "gpt_neox": dict(_GPTJ, rotary_dim=lambda c: c.d_head // 4, activation="gelu", mlp_norm=True, rotary_style="halves",
                      qkv_bias=True, out_bias=True, lm_head_bias=False),
 }
+
+# %% ../nbs/00_config.ipynb #93375751
 FAMILY_NAMES = {"gptj": "GPT-J", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gpt_neox": "GPT-NeoX"}
 
 def family_name(config) -> str: return FAMILY_NAMES[config.family]

@@ -54,6 +54,7 @@ def disable_compilation_cache():
     _reset_cache()
     jax.config.update("jax_compilation_cache_dir", None)
 
+# %% ../nbs/04_lm.ipynb #4e844a2b
 def enable_compilation_cache(path=None) -> Path:
     "Cache compiled XLA programs in `path` (default `$MESHTX_CACHE_DIR` or `~/.cache/meshtx/xla`) across processes."
     path = Path(path or os.environ.get("MESHTX_CACHE_DIR") or Path.home() / ".cache" / "meshtx" / "xla").expanduser()
@@ -97,10 +98,10 @@ def eos_token_id(self: LM) -> int:
 
 @patch(as_prop=True)
 def document_start(self: LM) -> int:
-    """The token a document follows (a perplexity window's prefix, an empty prompt): the config's `bos_token_id` (Llama's
-    `<|begin_of_text|>`; GPT-J's is its end-of-text), else `eos_token_id`, if in the vocabulary."""
-    bos = self.config.bos_token_id
-    if bos is not None and bos < self.config.n_vocab: return bos
+    """The token a document follows (a perplexity window's prefix, an empty prompt): other families' `bos_token_id` (Llama's
+    `<|begin_of_text|>`), else `eos_token_id`, if in the vocabulary."""
+    bos = self.config.bos_token_id   # (GPT-J's documents follow its end-of-text token, as it was trained)
+    if self.config.family != "gptj" and bos is not None and bos < self.config.n_vocab: return bos
     return self.eos_token_id if self.eos_token_id < self.config.n_vocab else min(EOT, self.config.n_vocab - 1)
 
 # %% ../nbs/04_lm.ipynb #e28fd59e

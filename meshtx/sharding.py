@@ -186,6 +186,7 @@ _KINDS = [("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"), ("v5p", "tpu-v5p"), ("v6",
           ("v3", "tpu-v3"), ("t4", "t4"), ("p100", "p100"), ("v100", "v100"), ("l4", "l4"), ("h200", "h200"),
           ("h100", "h100"), ("a100", None)]
 
+# %% ../nbs/03_sharding.ipynb #8a811a61
 def chip_of(device_kind: str) -> str | None:
     "The `CHIPS` name of a JAX device's `device_kind` ('Tesla T4' → 't4', 'TPU v5 lite' → 'tpu-v5e'), or None."
     kind = device_kind.lower()

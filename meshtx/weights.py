@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 from .config import ModelConfig, DTYPES
 from .model import param_shapes
-from .families import hf_layout, ignored
+from .families import hf_layout, ignored, IGNORED
 from .torchfile import TorchFile
 from .storage import pread_into, drop_cached, read_json, write_file, replace_dir, shorten
 
@@ -29,10 +29,13 @@ __all__ = ['SAVE_FILES', 'MESHTX_CONFIG', 'MESHTX_PARAMS', 'LAYOUT', 'OLD_LAYOUT
 
 # %% ../nbs/02_weights.ipynb #875c3bd5
 def hf_tensor_map(config: ModelConfig) -> dict:
-    """`{hf_name: parts}`: each tensor of the family's Hugging Face checkpoint is `params[module][param][index]` for its one
-    part `(module, param, index)`, or several parameters stacked head by head (see `meshtx.families.hf_layout`)."""
-    return hf_layout(config)
+    """`{hf_name: (module, param, index)}`: each tensor of the family's Hugging Face checkpoint is
+    `params[module][param][index]`; for a tensor fused from several parameters head by head (NeoX's q k v), `param` is
+    their names' tuple (`meshtx.families.hf_layout` lists the parts)."""
+    return {name: parts[0] if len(parts) == 1 else (parts[0][0], tuple(p for _, p, _ in parts), parts[0][2])
+            for name, parts in hf_layout(config).items()}
 
+# %% ../nbs/02_weights.ipynb #81f9cf1b
 def _fused_shape(shapes, parts) -> tuple:
     first = shapes[parts[0][0]][parts[0][1]].shape[1:]
     return (sum(shapes[m][p].shape[1] for m, p, _ in parts), *first[1:])
@@ -41,8 +44,7 @@ def hf_shapes(config: ModelConfig) -> dict:
     "`{hf_name: shape}`: the shape Hugging Face gives each tensor for this config."
     shapes = param_shapes(config)
     return {name: shapes[parts[0][0]][parts[0][1]].shape[len(parts[0][2]):] if len(parts) == 1 else _fused_shape(shapes, parts)
-            for name, parts in hf_tensor_map(config).items()}
-
+            for name, parts in hf_layout(config).items()}
 
 # %% ../nbs/02_weights.ipynb #8861b838
 def checkpoint_files(path) -> list[Path]:
@@ -306,7 +308,7 @@ def load_hf_params(path, config: ModelConfig, shardings=None, progress: bool = T
     readers = open_checkpoint(path)
     check_checkpoint(config, readers, where=f"checkpoint {path}")
     files = list(dict.fromkeys(r.fn for r in readers.values()))
-    order = sorted(hf_tensor_map(config).items(), key=lambda kv: files.index(readers[kv[0]].fn))   # file by file
+    order = sorted(hf_layout(config).items(), key=lambda kv: files.index(readers[kv[0]].fn))   # file by file
     tensors = [(readers[n] if len(parts) == 1 else _HeadPart(readers[n], n, k, len(parts), config.d_head), n, *part)
                for n, parts in order for k, part in enumerate(parts)]
     return assemble(param_shapes(config), shardings, tensors, progress, chunk_bytes)
@@ -321,7 +323,7 @@ def _host_tensor(x: jax.Array, index: tuple, dtype=None) -> np.ndarray:
 
 def hf_tensors(params: dict, config: ModelConfig, dtype=None):
     "Yield `(hf_name, numpy array)` for every Hugging Face tensor, one at a time, optionally cast to `dtype`."
-    for name, parts in hf_tensor_map(config).items():
+    for name, parts in hf_layout(config).items():
         ts = [_host_tensor(params[mod][p], index, dtype) for mod, p, index in parts]
         if len(ts) == 1: yield name, ts[0]
         else:   # fused head by head: [heads, part, d_head, ...] rows
