@@ -187,3 +187,33 @@ def test_bad_family_configs_are_refused_by_name(tmp_path):
         ModelConfig.from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="mp=4 must divide n_head=4, n_kv_head=2"):
         make_mesh(mp=4, devices=jax.devices()[:4], config=LLAMA)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gpt_neox"])
+def test_plan_matches_xla_per_family(family):
+    """`plan`'s bytes for a full step and a LoRA step against XLA's buffer assignment of the compiled steps, per family:
+    GQA's smaller k and v, the gate's third MLP matrix, biases and tied embeddings all counted."""
+    import jax.numpy as jnp
+    from meshtx import LoRAConfig
+    from meshtx.sharding import plan
+    from meshtx.lora import split_adapters
+    from meshtx.model import param_shapes, split_layers
+    from meshtx.train import make_optimizer, make_train_step, TrainState
+    cfg = ModelConfig(family=family, n_layer=2, d_model=512, n_head=8, n_kv_head=None if family == "gpt_neox" else 2,
+                      n_vocab=4096, n_ctx=128, param_dtype="float32", compute_dtype="float32", remat=True,
+                      tie_embeddings=None if family == "gpt_neox" else family == "qwen2")
+    def xla(step, *args):
+        m = step.lower(*args).compile().memory_analysis()
+        return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    opt, tokens = make_optimizer(), jax.ShapeDtypeStruct((1, 1, 129), np.int32)
+    params = param_shapes(cfg)
+    full = xla(make_train_step(cfg, opt), TrainState(params, jax.eval_shape(opt.init, params), jax.ShapeDtypeStruct((), np.int32)), tokens)
+    p = plan(cfg, 1, mode="train", batch=1, seq=128, compute_dtype="float32")
+    assert abs(p.total - full) <= 0.05 * full, (p.total, full, p.bytes)
+    lora = LoRAConfig(rank=8)
+    frozen, trainable = split_adapters(jax.eval_shape(gptj(cfg, lora=lora).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+    layer_of = lambda x, i: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)   # the Trainer's frozen blocks, one layer at a time
+    state = TrainState(trainable, jax.eval_shape(opt.init, trainable), jax.ShapeDtypeStruct((), np.int32))
+    got = xla(make_train_step(cfg, opt, None, lora), state, tokens, split_layers(frozen, layer_of))
+    p = plan(cfg, 1, mode="lora", batch=1, seq=128, compute_dtype="float32", param_dtype="float32", lora_rank=8, backend="cpu")
+    assert abs(p.total - got) <= 0.1 * got, (p.total, got, p.bytes)

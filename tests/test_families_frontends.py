@@ -1,17 +1,28 @@
-"""A Llama checkpoint with its own tokenizer (trained offline with `tokenizers` on local text) and chat template,
-through the faces users meet: `LM.from_hf` text generation equal to HF's, `meshtx convert` both ways, `meshtx serve`'s
-chat completions, and perplexity equal to HF's."""
-import math, os, re, shutil, subprocess, sys, time
+"""Each family's checkpoint (Llama, Mistral, Qwen2, GPT-NeoX), with its own tokenizer (trained offline with
+`tokenizers` on local text) and a chat template, through the faces users meet: text generation and perplexity equal
+HF's, `meshtx convert` both ways, a real HTTP server's chat and prompt scores, lm-eval's log-likelihoods equal to its
+own HF model's, a LoRA fine-tuning run whose merged model HF loads, and a full fine-tune from the widget, saved and
+sampled. The `meshtx` processes themselves (convert, serve) run on the Llama checkpoint."""
+import math, os, re, shutil, subprocess, sys, threading, time
 from pathlib import Path
+from types import SimpleNamespace
 import numpy as np
 import numpy.testing as npt
 import pytest
-from test_families import LLAMA, make_hf
+from conftest import hf_logits
+from test_families import LLAMA, NEOX, make_hf
 from meshtx import LM
 from meshtx.config import quiet_transformers
 
 CHAT = "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
-CFG = LLAMA.replace(bos_token_id=0, eos_token_id=1)
+IDS = dict(bos_token_id=0, eos_token_id=1)
+FAMILIES = {"llama": LLAMA.replace(**IDS),
+            "mistral": LLAMA.replace(family="mistral", sliding_window=6, **IDS),   # shorter than the prompts: it slides
+            # Qwen's embedding has rows past its tokenizer's ids (and transformers' Qwen2Tokenizer adds <|endoftext|>)
+            "qwen2": LLAMA.replace(family="qwen2", qkv_bias=True, ln_eps=1e-6, n_vocab=320, **IDS),
+            "gpt_neox": NEOX.replace(**IDS)}
+CFG = FAMILIES["llama"]
+README = Path(__file__).parent.parent / "README.md"
 
 
 def train_tokenizer(vocab: int):
@@ -22,25 +33,39 @@ def train_tokenizer(vocab: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([(Path(__file__).parent.parent / "README.md").read_text()], trainer)
+    tok.train_from_iterator([README.read_text()], trainer)
     return quiet_transformers().PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
                                                        eos_token="<|end_of_text|>", chat_template=CHAT)
+
+
+def save_checkpoint(d: Path, cfg, seed: int = 3):
+    "HF's own class of `cfg`'s family, random, saved with the trained tokenizer: a checkpoint as the hub has them."
+    model = make_hf(cfg, seed=seed)
+    model.save_pretrained(d)
+    tok = train_tokenizer(LLAMA.n_vocab)
+    assert len(tok) == LLAMA.n_vocab <= cfg.n_vocab
+    tok.save_pretrained(d)
+    return model, tok
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def ckpt(request, tmp_path_factory):
+    cfg = FAMILIES[request.param]
+    d = tmp_path_factory.mktemp(request.param) / "ckpt"
+    model, tok = save_checkpoint(d, cfg)
+    return SimpleNamespace(name=request.param, cfg=cfg, dir=d, model=model, tok=tok)
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("llama") / "ckpt"
-    model = make_hf(CFG, seed=3)
-    model.save_pretrained(d)
-    tok = train_tokenizer(CFG.n_vocab)
-    assert len(tok) == CFG.n_vocab
-    tok.save_pretrained(d)
+    model, tok = save_checkpoint(d, CFG)
     return d, model, tok
 
 
-def test_text_generation_and_perplexity_equal_hf(llama_dir):
+def test_text_generation_and_perplexity_equal_hf(ckpt):
     import torch
-    d, model, tok = llama_dir
+    d, model, tok = ckpt.dir, ckpt.model, ckpt.tok
     lm = LM.from_hf(d, dtype="float32", progress=False)
     assert lm.tokenizer.chat_template == CHAT and lm.document_start == 0
     prompt = "meshtx runs the families"
@@ -63,9 +88,9 @@ def meshtx(*args):
     return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
 
 
-def test_convert_both_ways_keeps_every_tensor_and_the_tokenizer(llama_dir, tmp_path):
+def test_convert_both_ways_keeps_every_tensor_and_the_tokenizer(ckpt, tmp_path):
     from safetensors.numpy import load_file
-    d, _, _ = llama_dir
+    d = ckpt.dir
     r = meshtx("convert", d, tmp_path / "mtx", "-q")
     assert r.returncode == 0, r.stderr
     r = meshtx("convert", tmp_path / "mtx", tmp_path / "hf", "-q")
@@ -74,7 +99,7 @@ def test_convert_both_ways_keeps_every_tensor_and_the_tokenizer(llama_dir, tmp_p
     assert sorted(a) == sorted(b)
     for k in a: npt.assert_array_equal(a[k], b[k])
     back = LM.from_hf(tmp_path / "hf", dtype="float32", progress=False)
-    assert back.config.family == "llama" and back.tokenizer.chat_template == CHAT
+    assert back.config.family == ckpt.name and back.tokenizer.chat_template == CHAT
 
 
 @pytest.mark.timeout(300)
@@ -112,12 +137,54 @@ def test_serve_chat_completions_through_the_checkpoints_template(llama_dir, tmp_
         proc.terminate(); proc.wait(30)
 
 
-def test_lm_eval_log_likelihoods_equal_hflm(llama_dir):
-    "lm-eval's own HF model and meshtx's, on the same Llama checkpoint: the same log-likelihoods, rolling ones too."
+class http_server:
+    "`make_app(lm)` served by uvicorn on 127.0.0.1 (a free port) in a thread, for the `with` block."
+    def __init__(self, lm): self.lm = lm
+    def __enter__(self):
+        import socket, uvicorn
+        from meshtx.serve import make_app
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.server = uvicorn.Server(uvicorn.Config(make_app(self.lm), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(60)
+        self.sock.close()
+
+
+def test_http_server_chats_and_scores_prompts_as_hf(ckpt):
+    """The OpenAI API over real HTTP: a chat through the checkpoint's template, and a prompt's echoed log-probabilities
+    equal to HF's own model's."""
+    import openai, torch
+    from meshtx.serve import chat_prompt
+    lm = LM.from_hf(ckpt.dir, dtype="float32", progress=False)
+    messages = [{"role": "user", "content": "What are the notebooks?"}]
+    text = "Each notebook teaches one idea in prose, code and tests."
+    with http_server(lm) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+        chat = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=0)
+        scored = client.completions.create(model="m", prompt=text, echo=True, logprobs=1, max_tokens=0)
+    assert chat.choices[0].message.content == lm.generate(chat_prompt(ckpt.tok, messages, None), max_new_tokens=6,
+                                                          temperature=0).texts[0]
+    ids = ckpt.tok.encode(text, add_special_tokens=False)
+    with torch.no_grad(): logp = torch.log_softmax(ckpt.model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+    got = scored.choices[0].logprobs.token_logprobs
+    assert got[0] is None and len(got) == len(ids)   # the first token has no context, as OpenAI answers
+    npt.assert_allclose(got[1:], [logp[i - 1, t] for i, t in enumerate(ids) if i], atol=1e-4)
+
+
+def test_lm_eval_log_likelihoods_equal_hflm(ckpt):
+    "lm-eval's own HF model and meshtx's, on the same checkpoint: the same log-likelihoods, rolling ones too."
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
     from meshtx.evaluate import MeshtxLM
-    d, _, _ = llama_dir
+    d = ckpt.dir
     pairs = [("The notebooks are", " the source"), ("", "meshtx"), ("A model family is", " configuration")]
     reqs = [Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)]
     rolling = [Instance("loglikelihood_rolling", {}, ("Each notebook teaches one idea in prose, code and tests.",), 0)]
@@ -129,24 +196,51 @@ def test_lm_eval_log_likelihoods_equal_hflm(llama_dir):
         theirs.loglikelihood_rolling(rolling, disable_tqdm=True)[0], abs=1e-3)
 
 
-def test_full_fine_tune_checkpoint_and_sampler_widget(llama_dir, tmp_path):
-    "A full fine-tuning step of the Llama, saved and loaded back as a model; the sampler widget on it writes its text."
+def test_full_fine_tune_from_the_widget_saved_and_sampled(ckpt, tmp_path):
+    """Full fine-tuning steps from the widget's Step and Start buttons, saved by its Save button and loaded back as a
+    model; the sampler widget on it writes `generate`'s text."""
     import itertools, jax
+    from meshtx.checkpoint import Checkpointer
     from meshtx.train import Trainer
-    from meshtx.widgets import SamplerWidget
-    d, _, _ = llama_dir
-    batch = np.random.default_rng(0).integers(0, CFG.n_vocab, (1, 2, 17))
-    t = Trainer(LM.from_hf(d, dtype="float32", progress=False), itertools.repeat(batch), lr=1e-3,
-                checkpoint_dir=tmp_path / "ck", progress=False)
-    losses = [t.step()["loss"] for _ in range(3)]
-    assert losses[-1] < losses[0]
-    t.save()
+    from meshtx.widgets import FinetuneWidget, SamplerWidget
+    batch = np.random.default_rng(0).integers(0, ckpt.cfg.n_vocab, (1, 2, 17))
+    t = Trainer(LM.from_hf(ckpt.dir, dtype="float32", progress=False), itertools.repeat(batch), lr=1e-3,
+                checkpoint_dir=tmp_path / "ck", progress=False, total_steps=3)
+    w = FinetuneWidget(t, eval_every=None, plot_every=1)
+    w.step_button.click()
+    assert w.controller.wait(120) and w.controller.steps_done == 1
+    w.start_button.click()
+    assert w.controller.wait(120) and w.controller.steps_done == 3, w.error.value
+    losses = [r["loss"] for r in t.history]
+    assert losses[-1] < losses[0] and w.error.value == ""
+    w.save_button.click()
+    assert "saved" in w.activity.value and Checkpointer(tmp_path / "ck").steps() == [3]
     lm = LM.load(tmp_path / "ck")
-    assert lm.config.family == "llama" and lm.config.n_kv_head == 2
+    assert lm.config.family == ckpt.name and lm.config.n_kv_head == ckpt.cfg.n_kv_head
     jax.tree.map(npt.assert_array_equal, jax.tree.map(np.asarray, lm.params), jax.tree.map(np.asarray, t.lm.params))
     lm.tokenizer = t.lm.tokenizer
-    w = SamplerWidget(lm, prompt="The notebooks")
-    w.temperature.value, w.max_tokens.value = 0.0, 6
-    w.generate_button.click()
-    assert w.controller.wait(120)
-    assert w.controller.text == lm.generate("The notebooks", max_new_tokens=6, temperature=0).texts[0]
+    s = SamplerWidget(lm, prompt="The notebooks")
+    s.temperature.value, s.max_tokens.value = 0.0, 6
+    s.generate_button.click()
+    assert s.controller.wait(120)
+    assert s.controller.text == lm.generate("The notebooks", max_new_tokens=6, temperature=0).texts[0]
+
+
+def test_lora_fine_tuning_run_leaves_a_model_hf_loads(ckpt, tmp_path):
+    """`meshtx finetune --lora`'s run on the family's checkpoint: adapters on the family's targets, merged into a
+    Hugging Face checkpoint that the family's own class loads with meshtx's logits."""
+    from meshtx.runs import finetune
+    from safetensors.numpy import load_file
+    (tmp_path / "text.txt").write_text(README.read_text()[:6000])
+    r = finetune(ckpt.dir, tmp_path / "text.txt", tmp_path / "out", lora=4, steps=4, batch=2, seq=16, lr=1e-2,
+                 dtype="float32", log=lambda *a: None, progress=False)
+    assert r["val_loss_after"] < r["val_loss_before"], r
+    lm = LM.from_hf(r["model"], dtype="float32", progress=False)
+    hf = quiet_transformers().AutoModelForCausalLM.from_pretrained(r["model"]).eval()
+    assert type(hf) is type(ckpt.model)
+    tokens = np.random.default_rng(4).integers(0, ckpt.cfg.n_vocab, (2, 12))
+    ours = np.asarray(lm.logits(tokens))
+    npt.assert_allclose(ours, hf_logits(hf, tokens), atol=1e-4, rtol=0)
+    assert np.abs(ours - hf_logits(ckpt.model, tokens)).max() > 1e-3   # the adapters changed the model
+    names = " ".join(load_file(tmp_path / "out" / "adapters" / "lora.safetensors"))
+    assert ("lora_fc_gate_a" in names) == ckpt.cfg.gated_mlp and "lora_q_a" in names, names
