@@ -20,7 +20,7 @@ __all__ = ['ACTIVATIONS', 'REMAT_POLICY', 'LOSS_ROWS', 'BLOCKS', 'rotary_angles'
            'einsum32', 'attend', 'self_attention', 'dense', 'low_rank', 'lora_update', 'linear', 'layer_norm',
            'rms_norm', 'norm', 'gelu_new', 'no_hint', 'mlp', 'block', 'add_bias', 'lm_head', 'self_mask', 'scan_blocks',
            'GPTJ', 'gptj', 'init_params', 'param_shapes', 'cpu_mixed_products', 'cross_entropy', 'n_loss_chunks',
-           'fused_cross_entropy', 'cache_dtype', 'KVCache', 'cache_read', 'attend_cached', 'split_layers',
+           'fused_cross_entropy', 'cache_dtype', 'KVCache', 'after', 'cache_read', 'attend_cached', 'split_layers',
            'remat_in_turn', 'run_layers']
 
 # %% ../nbs/01_model.ipynb #63414cbc
@@ -327,6 +327,7 @@ def scan_blocks(x, sin, cos, live, attention_mask, cache, cfg: ModelConfig, hint
         x, (k, v) = block(x, sin, cos, mask, cfg, cache, layer, hint=hint, lora=lora)
         return x, (k.astype(cache.k.dtype), v.astype(cache.v.dtype))
     x, (k, v) = hk.layer_stack(cfg.n_layer, with_per_layer_inputs=True, name="blocks")(body)(x, jnp.arange(cfg.n_layer))
+    k, v = after(x, k, v)   # (see `after`)
     return x, cache.write(k, v, live)   # all layers' new keys and values, written in place once
 
 # %% ../nbs/01_model.ipynb #f867f088
@@ -470,6 +471,11 @@ def _chunk_size(max_len: int, most: int = 256) -> int:
     return math.gcd(max_len, most)
 
 # %% ../nbs/01_model.ipynb #d2cbe66b
+# a prompt's keys `[n_layer, B, n_kv_head, T, d_head]` into the cache's `[n_layer, n_chunks, B, n_kv_head, chunk, d_head]`:
+# each of the T slots picks (chunk, row); the other four axes are the window written there
+_SLOTS = jax.lax.ScatterDimensionNumbers(update_window_dims=(0, 1, 2, 4), inserted_window_dims=(1, 4),
+                                         scatter_dims_to_operand_dims=(1, 4))
+
 class KVCache(NamedTuple):
     "Keys and values of every block for the tokens seen so far."
     k: jax.Array         # [n_layer, n_chunks, B, n_kv_head, chunk, d_head], rotated keys; slot s = chunk s // chunk, row s % chunk
@@ -497,12 +503,19 @@ class KVCache(NamedTuple):
         T, C, at = k.shape[3], self.chunk, self.length
         if T == 1:   # decoding: one slot, one dynamic_update_slice
             put = lambda buf, x: jax.lax.dynamic_update_slice(buf, x[:, None].astype(buf.dtype), (0, at // C, 0, 0, at % C, 0))
-        else:        # a prompt may span chunks: scatter slot by slot
+        else:        # a prompt may span chunks: scattered slot by slot, straight from the blocks' layout (no transposed copy)
             s = at + jnp.arange(T)
-            put = lambda buf, x: buf.at[:, s // C, :, :, s % C].set(x.transpose(3, 0, 1, 2, 4).astype(buf.dtype),
-                                                                      indices_are_sorted=True, unique_indices=True)
+            put = lambda buf, x: jax.lax.scatter(buf, jnp.stack([s // C, s % C], 1), x.astype(buf.dtype), _SLOTS,
+                                                 indices_are_sorted=True, unique_indices=True)
         return KVCache(put(self.k, k), put(self.v, v), jax.lax.dynamic_update_slice(self.valid, live, (0, at)),
                        at + T, self.next_pos + live.sum(1, dtype=jnp.int32))
+
+# %% ../nbs/01_model.ipynb #7a9be614
+def after(x: jax.Array, *ys) -> tuple:
+    "`ys` unchanged, but computed after `x`: each plus a zero taken from `x` (a zero even where `x` is NaN or infinite)."
+    x0 = x[(0,) * x.ndim]
+    zero = jnp.where(jnp.isfinite(x0), x0, 0) * 0
+    return tuple(y + zero.astype(y.dtype) for y in ys)
 
 # %% ../nbs/01_model.ipynb #5e03deaf
 def _attend_cached(q, k, v, mask, cache: KVCache, layer, read: str = "chunks", seen=None) -> jax.Array:
@@ -624,5 +637,5 @@ def run_layers(layers: list, x, sin, cos, live, attention_mask, cache, cfg, hint
     for i, p in enumerate(layers):
         x, new = run(p, x, i)
         kv.append(new)
-    k, v = (jnp.stack([n[j].astype(cache.k.dtype) for n in kv]) for j in (0, 1))
+    k, v = after(x, *(jnp.stack([n[j].astype(cache.k.dtype) for n in kv]) for j in (0, 1)))
     return x, cache.write(k, v, live)

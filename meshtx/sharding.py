@@ -282,8 +282,10 @@ def _working_bytes(config: ModelConfig, shapes: dict, axes: dict, mode: str, bat
         w["gathered"] = int(2 * block / mpn * c)
     logits = tok * V / mpn * 4
     if mode == "infer":
-        w["activations"] = w["activations_no_remat"] = int(layer + logits)
-        w["kv_cache"] = L * 2 * rows * seq * int(config.n_kv_head * config.d_head / mpn) * kv_c
+        kv = L * 2 * rows * seq * int(config.n_kv_head * config.d_head / mpn)   # keys and values, every layer's
+        # a prompt's new keys and values wait for the one cache write (computed, and converted where the cache's dtype differs)
+        w["activations"] = w["activations_no_remat"] = int(layer + logits + kv * (kv_c + (c if c != kv_c else 0)))
+        w["kv_cache"] = kv * kv_c
     else:   # the fused loss holds one chunk's logits, exponentials and gradient (and, training the head, its gradient sum)
         loss = 3 * logits / n_loss_chunks(batch, seq, LOSS_ROWS * shards) + (D * V / mpn * 4 if mode == "train" else 0)
         w["activations_no_remat"] = int(L * layer + loss)
