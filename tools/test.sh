@@ -29,8 +29,8 @@ echo "== notebook lessons (nbdev-test)"
 nbdev-test --n-workers 2
 
 echo "== system tests (pytest): on both cores (pytest-xdist, a file per worker), then the serial ones alone"
-python -m pytest tests -q -n 2 --dist loadfile -m "not serial"
-python -m pytest tests -q -m serial
+python -m pytest tests -q -n 2 --dist loadfile -m "not serial" --durations=30
+python -m pytest tests -q -m serial --durations=10
 
 echo "== widgets again under ipywidgets 7.7.1 (Colab's version)"
 ipyw="${MESHTX_IPYW771_DIR:-$HOME/.cache/meshtx/ipyw771}"
