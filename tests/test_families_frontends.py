@@ -2,7 +2,7 @@
 `tokenizers` on local text) and a chat template, through the faces users meet: text generation and perplexity equal
 HF's, `meshtx convert` both ways, a real HTTP server's chat and prompt scores, lm-eval's log-likelihoods equal to its
 own HF model's, a LoRA fine-tuning run whose merged model HF loads, and a full fine-tune from the widget, saved and
-sampled. The `meshtx` processes themselves (convert, serve) run on the Llama checkpoint."""
+sampled. `meshtx convert`, `finetune` and `eval` run as processes on every family; `meshtx serve` on the Llama one."""
 import math, os, re, shutil, subprocess, sys, threading, time
 from pathlib import Path
 from types import SimpleNamespace
@@ -226,21 +226,45 @@ def test_full_fine_tune_from_the_widget_saved_and_sampled(ckpt, tmp_path):
     assert s.controller.text == lm.generate("The notebooks", max_new_tokens=6, temperature=0).texts[0]
 
 
-def test_lora_fine_tuning_run_leaves_a_model_hf_loads(ckpt, tmp_path):
-    """`meshtx finetune --lora`'s run on the family's checkpoint: adapters on the family's targets, merged into a
-    Hugging Face checkpoint that the family's own class loads with meshtx's logits."""
-    from meshtx.runs import finetune
+def test_finetune_and_eval_command_lines(ckpt, tmp_path):
+    """`meshtx finetune --lora` as a process on the family's checkpoint: adapters on the family's targets, merged into a
+    Hugging Face checkpoint that the family's own class loads with meshtx's logits; then `meshtx eval` as a process on
+    that model, a local task, whose logged log-likelihoods equal lm-eval's own HF model's."""
+    import json, lm_eval
+    from conftest import write_task
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
     from safetensors.numpy import load_file
     (tmp_path / "text.txt").write_text(README.read_text()[:6000])
-    r = finetune(ckpt.dir, tmp_path / "text.txt", tmp_path / "out", lora=4, steps=4, batch=2, seq=16, lr=1e-2,
-                 dtype="float32", log=lambda *a: None, progress=False)
-    assert r["val_loss_after"] < r["val_loss_before"], r
-    lm = LM.from_hf(r["model"], dtype="float32", progress=False)
-    hf = quiet_transformers().AutoModelForCausalLM.from_pretrained(r["model"]).eval()
-    assert type(hf) is type(ckpt.model)
+    r = meshtx("finetune", "--model", ckpt.dir, "--data", tmp_path / "text.txt", "--out", tmp_path / "out", "--lora", 4,
+               "--steps", 4, "--batch", 2, "--seq", 16, "--lr", 1e-2, "--dtype", "float32", "-q")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    before, after = (float(x) for x in re.findall(r"held-out loss (?:before|after \d+ steps): ([\d.]+)", r.stdout))
+    assert after < before, r.stdout
+    model = tmp_path / "out" / "model"
+    lm = LM.from_hf(model, dtype="float32", progress=False)
+    hf = quiet_transformers().AutoModelForCausalLM.from_pretrained(model).eval()
+    assert type(hf) is type(ckpt.model) and lm.config.family == ckpt.name
     tokens = np.random.default_rng(4).integers(0, ckpt.cfg.n_vocab, (2, 12))
     ours = np.asarray(lm.logits(tokens))
     npt.assert_allclose(ours, hf_logits(hf, tokens), atol=1e-4, rtol=0)
     assert np.abs(ours - hf_logits(ckpt.model, tokens)).max() > 1e-3   # the adapters changed the model
     names = " ".join(load_file(tmp_path / "out" / "adapters" / "lora.safetensors"))
     assert ("lora_fc_gate_a" in names) == ckpt.cfg.gated_mlp and "lora_q_a" in names, names
+
+    tasks = tmp_path / "tasks"; tasks.mkdir()
+    docs = [{"q": "The notebooks are", "choices": ["the source", "a copy"], "answer": 0},
+            {"q": "A family is", "choices": ["configuration", "a zoo", "code"], "answer": 0}]
+    write_task(tasks, "fam_mc", docs, output_type="multiple_choice", doc_to_text="{{q}}", doc_to_choice="{{choices}}",
+               doc_to_target="answer", metric_list=[{"metric": "acc"}])
+    r = meshtx("eval", "--model", "meshtx", "--model_args", f"pretrained={model},dtype=float32", "--tasks", "fam_mc",
+               "--include_path", tasks, "--output_path", tmp_path / "eval", "--log_samples")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    samples = [json.loads(line) for f in (tmp_path / "eval").rglob("samples_fam_mc_*.jsonl") for line in open(f)]
+    args = [(a["arg_0"], a["arg_1"]) for s in samples for a in s["arguments"].values()]   # (context, continuation)
+    got = [float(r[0][0]) for s in samples for r in s["resps"]]
+    assert len(args) == len(got) == 5, samples
+    theirs = HFLM(pretrained=str(model), dtype="float32", device="cpu", batch_size=1)
+    want = [ll for ll, _ in theirs.loglikelihood([Instance("loglikelihood", {}, a, i) for i, a in enumerate(args)],
+                                                 disable_tqdm=True)]
+    npt.assert_allclose(got, want, atol=1e-4)
