@@ -286,8 +286,10 @@ def _working_bytes(config: ModelConfig, shapes: dict, axes: dict, mode: str, bat
         # a prompt's new keys and values wait for the one cache write (computed, and converted where the cache's dtype differs)
         w["activations"] = w["activations_no_remat"] = int(layer + logits + kv * (kv_c + (c if c != kv_c else 0)))
         w["kv_cache"] = kv * kv_c
-    else:   # the fused loss holds one chunk's logits, exponentials and gradient (and, training the head, its gradient sum)
-        loss = 3 * logits / n_loss_chunks(batch, seq, LOSS_ROWS * shards) + (D * V / mpn * 4 if mode == "train" else 0)
+    else:   # the fused loss holds a chunk's float32 logits and exponentials, and, training the head, the logits' gradient
+        # and the head's gradient sum (XLA's buffers, measured: a frozen head's logit gradient reuses a buffer)
+        chunk = logits / n_loss_chunks(batch, seq, LOSS_ROWS * shards)
+        loss = 3 * chunk + D * V / mpn * 4 if mode == "train" else 2 * chunk
         w["activations_no_remat"] = int(L * layer + loss)
         w["activations"] = int(L * tok * c * D + layer + loss)
     return w
