@@ -15,7 +15,7 @@ user_xla_flags="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
 export XLA_FLAGS="$user_xla_flags --xla_cpu_collective_call_warn_stuck_timeout_seconds=5 --xla_cpu_collective_call_terminate_timeout_seconds=10"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
-echo "== notebooks and package agree"
+echo "== notebooks and package agree [at ${SECONDS}s]"
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 git ls-files -co --exclude-standard -z -- pyproject.toml nbs meshtx tools README.md | xargs -0 -I{} cp --parents {} "$tmp"
 (cd "$tmp" && nbdev-export && nbdev-clean && python tools/readme.py)
@@ -25,14 +25,14 @@ for f in meshtx nbs README.md; do
   fi
 done
 
-echo "== notebook lessons (nbdev-test)"
+echo "== notebook lessons (nbdev-test) [at ${SECONDS}s]"
 nbdev-test --n-workers 2
 
-echo "== system tests (pytest): on both cores (pytest-xdist, a file per worker), then the serial ones alone"
+echo "== system tests (pytest): on both cores (pytest-xdist, a file per worker), then the serial ones alone [at ${SECONDS}s]"
 python -m pytest tests -q -n 2 --dist loadfile -m "not serial" --durations=30
 python -m pytest tests -q -m serial --durations=10
 
-echo "== widgets again under ipywidgets 7.7.1 (Colab's version)"
+echo "== widgets again under ipywidgets 7.7.1 (Colab's version) [at ${SECONDS}s]"
 ipyw="${MESHTX_IPYW771_DIR:-$HOME/.cache/meshtx/ipyw771}"
 if [ ! -f "$ipyw/ipywidgets/_version.py" ] || ! grep -q "7, 7, 1" "$ipyw/ipywidgets/_version.py"; then
   rm -rf "$ipyw"
@@ -42,7 +42,7 @@ PYTHONPATH="$ipyw" python -c 'import ipywidgets; assert ipywidgets.__version__ =
 PYTHONPATH="$ipyw" python -m pytest tests -q -m widgets
 
 if [ "${MESHTX_SKIP_COMPAT:-0}" != 1 ]; then
-  echo "== parity and tokenizer tests under transformers 4.45 (the oldest pyproject.toml allows)"
+  echo "== parity and tokenizer tests under transformers 4.45 (the oldest pyproject.toml allows) [at ${SECONDS}s]"
   tf4="${MESHTX_TF445_DIR:-$HOME/.cache/meshtx/tf445}"
   if [ ! -f "$tf4/transformers/__init__.py" ] || ! grep -q '__version__ = "4.45.0"' "$tf4/transformers/__init__.py"; then
     rm -rf "$tf4"; python -m pip install -q --target "$tf4" --no-deps transformers==4.45.0 tokenizers==0.20.3 huggingface_hub==0.36.0
@@ -50,7 +50,7 @@ if [ "${MESHTX_SKIP_COMPAT:-0}" != 1 ]; then
   PYTHONPATH="$tf4" python -c 'import transformers; assert transformers.__version__ == "4.45.0"; print("transformers", transformers.__version__)'
   PYTHONPATH="$tf4" python -m pytest tests/test_parity.py tests/test_sampling.py tests/test_families.py -q -m transformers4   # (lm-eval needs a newer hub)
 
-  echo "== parity, sharding and multi-host tests under jax 0.7.2"
+  echo "== parity, sharding and multi-host tests under jax 0.7.2 [at ${SECONDS}s]"
   overlay="${MESHTX_JAX072_DIR:-$HOME/.cache/meshtx/jax072}"
   if [ ! -f "$overlay/jax/version.py" ] || ! grep -q "_version = \"0.7.2\"" "$overlay/jax/version.py"; then
     rm -rf "$overlay"; python -m pip install -q --target "$overlay" --no-deps jax==0.7.2 jaxlib==0.7.2
@@ -60,3 +60,4 @@ if [ "${MESHTX_SKIP_COMPAT:-0}" != 1 ]; then
   PYTHONPATH="$overlay" python -m pytest tests -q -n 2 --dist loadfile -m "(parity or compat) and not serial"
   PYTHONPATH="$overlay" python -m pytest tests -q -m "(parity or compat) and serial"
 fi
+echo "== all tests passed [at ${SECONDS}s]"
