@@ -173,8 +173,9 @@ def _compile(self: Trainer, trainable: dict, remat):
     train_config = lm.config if remat is None else lm.config.replace(remat=bool(remat))   # the step only
     step = make_train_step(train_config, self.optimizer, mesh, lm.lora)
     step0 = jnp.zeros((), jnp.int32)
-    if mesh is None:
-        opt_state, self._step = self.optimizer.init(trainable), step
+    if mesh is None:   # committed to the weights' device, as the step's outputs will be: else step 2 compiles again
+        device = jax.sharding.SingleDeviceSharding(next(iter(jax.tree.leaves(trainable)[0].devices())))
+        (trainable, opt_state, step0), self._step = jax.device_put((trainable, self.optimizer.init(trainable), step0), device), step
     else:
         replicated = jax.sharding.NamedSharding(mesh, P())
         p_sh = jax.tree.map(lambda x: x.sharding, trainable)

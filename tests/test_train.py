@@ -165,6 +165,19 @@ def test_finetune_lowers_perplexity_of_a_hf_model(hf_checkpoint, tmp_path, lora)
     assert (tmp_path / "out" / "adapters" / "lora.json").exists() == lora
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_steps_compile_once(lora):
+    """The first state sits on the device as committed as the step's outputs: the second step must not compile the step
+    again (at GPT-J-6B's width that second compile held ~0.3 GB per 8 layers more, and cost as long as the first)."""
+    from meshtx import LoRAConfig
+    batch = np.random.default_rng(0).integers(0, CFG.n_vocab, (1, 2, 17))
+    t = Trainer(LM.init(CFG), itertools.repeat(batch), lora=LoRAConfig(rank=4) if lora else None, progress=False)
+    t.evaluate([batch])
+    t.run(3)
+    t.evaluate([batch])
+    assert t._step._cache_size() == 1 and t._eval._cache_size() == 1
+
+
 def test_adafactor_trains():
     batch = np.tile(np.arange(10, 42), 3)[None, None, :33].repeat(4, axis=1)
     t = Trainer(LM.init(CFG), itertools.repeat(batch), optimizer="adafactor", lr=1e-2, progress=False)
