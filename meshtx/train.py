@@ -175,7 +175,8 @@ def _compile(self: Trainer, trainable: dict, remat):
     step0 = jnp.zeros((), jnp.int32)
     if mesh is None:   # committed to the weights' device, as the step's outputs will be: else step 2 compiles again
         device = jax.sharding.SingleDeviceSharding(next(iter(jax.tree.leaves(trainable)[0].devices())))
-        (trainable, opt_state, step0), self._step = jax.device_put((trainable, self.optimizer.init(trainable), step0), device), step
+        trainable, opt_state, step0 = jax.device_put((trainable, self.optimizer.init(trainable), step0), device)   # no copy
+        self._step = step
     else:
         replicated = jax.sharding.NamedSharding(mesh, P())
         p_sh = jax.tree.map(lambda x: x.sharding, trainable)
