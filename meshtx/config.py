@@ -46,6 +46,7 @@ class Switches:
     lm_head_bias: bool | None = None
     tie_embeddings: bool | None = None   # the lm head is the embedding matrix
     sliding_window: int | None = None    # each token attends to at most this many (itself included); None: all
+    sliding_window_from: int = 0    # the first layer the window applies to (Qwen2's max_window_layers); earlier: all
 
 # %% ../nbs/00_config.ipynb #fa100007
 @dataclass(frozen=True)
@@ -136,6 +137,9 @@ def _validate(c: ModelConfig):
             raise ValueError(f"{f}={getattr(c, f)} is larger than meshtx's limit of {LIMITS[f]:,} ({LIMIT_WHY[f]})")
     if c.n_head % c.n_kv_head:
         raise ValueError(f"n_kv_head={c.n_kv_head} must divide n_head={c.n_head} (each key/value head serves a group of heads)")
+    w = c.sliding_window_from
+    if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w <= c.n_layer:
+        raise ValueError(f"sliding_window_from={w!r} must be a layer index from 0 to n_layer={c.n_layer}")
     if c.rotary_dim % 2:
         raise ValueError(f"rotary_dim={c.rotary_dim} must be even (rotary rotates pairs of features)")
     if c.rotary_dim > c.d_head:
@@ -327,6 +331,7 @@ HF_CLASSES = {"gptj": ("GPTJConfig", "GPTJForCausalLM"), "llama": ("LlamaConfig"
 
 def _from_llama(d: dict, defaults: dict, family: str) -> dict:
     "Llama, Mistral and Qwen2 share their config's names; each has its own extras."
+    types = d.get("layer_types")   # the file's own: the class's default list has the default's length
     d = {**defaults, **d}
     H, D = d["num_attention_heads"], d["hidden_size"]
     hd = d.get("head_dim") or D // H
@@ -338,9 +343,19 @@ def _from_llama(d: dict, defaults: dict, family: str) -> dict:
         out.update(qkv_bias=bool(d.get("attention_bias", False)), out_bias=bool(d.get("attention_bias", False)),
                    mlp_bias=bool(d.get("mlp_bias", False)))
     if family == "mistral": out["sliding_window"] = d.get("sliding_window")
-    if family == "qwen2" and (d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or ())):
-        raise ValueError("use_sliding_window=True: Qwen2's sliding window on some layers only is not supported by meshtx")
+    if family == "qwen2" and d.get("use_sliding_window") and d.get("sliding_window"): out |= _qwen2_window(d, types)
     return out
+
+def _qwen2_window(d: dict, types) -> dict:
+    "Qwen2 slides its window over the layers from `max_window_layers` on (or those `layer_types` names), none before."
+    n = d["num_hidden_layers"]
+    types = types or ["sliding_attention" if i >= d["max_window_layers"] else "full_attention" for i in range(n)]
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if not sliding: return {}
+    if len(types) != n or sliding != list(range(sliding[0], n)):
+        raise ValueError(f"layer_types={types}: meshtx slides the window over the last layers only "
+                         f"(full_attention first, then sliding_attention to the last of the {n} layers)")
+    return dict(sliding_window=d["sliding_window"], sliding_window_from=sliding[0])
 
 # %% ../nbs/00_config.ipynb #fa100003
 def _from_neox(d: dict, defaults: dict) -> dict:
@@ -398,6 +413,8 @@ def _hf_kwargs(c: ModelConfig) -> dict:
     if c.d_head * c.n_head != c.d_model and c.family != "qwen2": out["head_dim"] = c.d_head
     if c.family == "llama": out |= dict(attention_bias=c.qkv_bias, mlp_bias=c.mlp_bias)
     if c.family == "mistral": out["sliding_window"] = c.sliding_window
+    if c.family == "qwen2" and c.sliding_window and c.sliding_window_from < c.n_layer:
+        out |= dict(use_sliding_window=True, sliding_window=c.sliding_window, max_window_layers=c.sliding_window_from)
     return out
 
 # %% ../nbs/00_config.ipynb #fa100002
@@ -414,7 +431,7 @@ def to_hf(self: ModelConfig):
                                                       pad_token_id=self.pad_token_id, architectures=[model_class])
     back = ModelConfig.from_hf(hf, **{f: getattr(self, f) for f in RUN_FIELDS})
     wrong = {f: (getattr(self, f), getattr(back, f)) for f in ("family", *FAMILIES["gptj"], "d_head", "d_ff", "rotary_base",
-             "rope_scaling", "rope_factor", "rope_original_ctx", "sliding_window") if getattr(self, f) != getattr(back, f)}
+             "rope_scaling", "rope_factor", "rope_original_ctx", "sliding_window", "sliding_window_from") if getattr(self, f) != getattr(back, f)}
     if wrong:
         f, (v, got) = next(iter(wrong.items()))
         raise ValueError(f"{f}={v!r} cannot be written as Hugging Face's {config_class} (it would read back as {got!r})"

@@ -18,10 +18,10 @@ from .config import ModelConfig, LoRAConfig
 # %% auto #0
 __all__ = ['ACTIVATIONS', 'REMAT_POLICY', 'LOSS_ROWS', 'BLOCKS', 'rotary_angles', 'rotary_frequencies', 'apply_rotary',
            'einsum32', 'attend', 'self_attention', 'dense', 'low_rank', 'lora_update', 'linear', 'layer_norm',
-           'rms_norm', 'norm', 'gelu_new', 'no_hint', 'mlp', 'block', 'add_bias', 'lm_head', 'self_mask', 'scan_blocks',
-           'GPTJ', 'gptj', 'init_params', 'param_shapes', 'cpu_mixed_products', 'cross_entropy', 'n_loss_chunks',
-           'fused_cross_entropy', 'cache_dtype', 'KVCache', 'after', 'cache_read', 'attend_cached', 'split_layers',
-           'remat_in_turn', 'run_layers']
+           'rms_norm', 'norm', 'gelu_new', 'no_hint', 'mlp', 'block', 'add_bias', 'lm_head', 'layer_window',
+           'self_mask', 'scan_blocks', 'GPTJ', 'gptj', 'init_params', 'param_shapes', 'cpu_mixed_products',
+           'cross_entropy', 'n_loss_chunks', 'fused_cross_entropy', 'cache_dtype', 'KVCache', 'after', 'cache_read',
+           'attend_cached', 'split_layers', 'remat_in_turn', 'run_layers']
 
 # %% ../nbs/01_model.ipynb #63414cbc
 def rotary_angles(positions: jax.Array, rotary_dim: int, base: float = 10000.0, inv_freq=None):
@@ -250,9 +250,10 @@ def _project(x, name: str, n_out: int, cfg: ModelConfig, lora, bias: bool):
     return y + _param(f"{name}_bias", (n_out,), cfg, jnp.zeros) if bias else y
 
 # %% ../nbs/01_model.ipynb #fb100001
-def block(x, sin, cos, mask, cfg: ModelConfig, cache: KVCache | None = None, layer=None, hint=no_hint, lora=None):
-    """One GPT-J block on `x` `[B, T, D]`; when decoding, attention also sees block `layer`'s slots of `cache`.
-    Returns the new `x` and this block's new keys and values `[B, n_kv_head, T, d]` (for the cache)."""
+def block(x, sin, cos, mask, cfg: ModelConfig, cache: KVCache | None = None, layer=None, window=None, hint=no_hint,
+          lora=None):
+    """One GPT-J block on `x` `[B, T, D]`; when decoding, attention also sees block `layer`'s slots of `cache` (of the
+    last `window` positions only, if it slides: `layer_window`). Returns the new `x` and this block's new keys and values `[B, n_kv_head, T, d]` (for the cache)."""
     B, T, D = x.shape
     dh = cfg.d_head
     h = norm(x, cfg, "ln_1")
@@ -261,7 +262,7 @@ def block(x, sin, cos, mask, cfg: ModelConfig, cache: KVCache | None = None, lay
                    for t, n in (("q", cfg.n_head), ("k", cfg.n_kv_head), ("v", cfg.n_kv_head)))
         q, k = apply_rotary(q, sin, cos, cfg.rotary_style), apply_rotary(k, sin, cos, cfg.rotary_style)
         a = self_attention(q, k, v, mask, cfg) if cache is None else \
-            attend_cached(q, k, v, mask, cache, layer, cache_read(cfg), cfg.sliding_window)
+            attend_cached(q, k, v, mask, cache, layer, cache_read(cfg), window)
         a = hint(a, "heads").reshape(B, T, cfg.n_head * dh)
         attn_out = _project(a, "out", D, cfg, lora, cfg.out_bias)
     if cfg.parallel_residual:   # GPT-J (ln_1 shared), NeoX (ln_2 for the MLP): both read the block's input
@@ -301,33 +302,40 @@ def lm_head(x, cfg: ModelConfig, hint=no_hint, logits_to_keep: int = 0, targets=
     return hint(add_bias(einsum32("btd,vd->btv", h, w), b.astype(jnp.float32)), "logits")
 
 # %% ../nbs/01_model.ipynb #396a3906
-def self_mask(live, cfg: ModelConfig, padded: bool):
-    """Which new tokens each new token `[B, T, T]` may see: earlier ones, real ones (`live` `[B, T]`), and with a
-    `sliding_window` only the last `sliding_window`; None when plain causal attention is all that (no padding, no window)."""
+def layer_window(cfg: ModelConfig, layer):
+    """How many positions block `layer` attends to: None (all), `cfg.sliding_window`, or, when only the layers from
+    `sliding_window_from` on slide (Qwen2) and `layer` is traced (a scan's), a traced count (int32's largest: all)."""
+    W, first = cfg.sliding_window, cfg.sliding_window_from
+    if W is None or first >= cfg.n_layer: return None
+    if first == 0: return W
+    if isinstance(layer, int): return W if layer >= first else None
+    return jnp.where(layer >= first, W, jnp.iinfo(jnp.int32).max)
+
+def self_mask(live, window, padded: bool):
+    """Which new tokens each new token `[B, T, T]` may see: earlier ones, real ones (`live` `[B, T]`), and with a sliding
+    `window` only the last `window`; None when plain causal attention is all that (no padding, no window)."""
     T = live.shape[1]
-    window = cfg.sliding_window is not None and T > cfg.sliding_window
-    if not padded and not window: return None
+    slides = window is not None and not (isinstance(window, int) and T <= window)
+    if not padded and not slides: return None
     mask = jnp.tril(jnp.ones((T, T), bool))[None] & live[:, None, :]
-    if window:
+    if slides:
         pos = jnp.cumsum(live, axis=1)   # positions count real tokens only
-        mask &= pos[:, :, None] - pos[:, None, :] < cfg.sliding_window
+        mask &= pos[:, :, None] - pos[:, None, :] < window
     return mask
 
 # %% ../nbs/01_model.ipynb #fb100002
 def scan_blocks(x, sin, cos, live, attention_mask, cache, cfg: ModelConfig, hint=no_hint, lora=None):
     """The blocks on `x`, as one `hk.layer_stack` (a `scan`) over their stacked `[n_layer, ...]` weights (`blocks/...`):
-    the new `x` and the updated cache (or None)."""
-    mask = self_mask(live, cfg, padded=attention_mask is not None or cache is not None)
-    if cache is None:
-        def body(x):
-            return block(x, sin, cos, mask, cfg, hint=hint, lora=lora)[0]
-        if cfg.remat: body = hk.remat(body, policy=REMAT_POLICY[cfg.remat_policy])
-        return hk.layer_stack(cfg.n_layer, name="blocks")(body)(x), None
+    the new `x` and the updated cache (or None). Each block makes its mask: its window may differ (`layer_window`)."""
+    padded = attention_mask is not None or cache is not None
     def body(x, layer):   # new tokens see the valid cached slots, and each other causally
-        x, (k, v) = block(x, sin, cos, mask, cfg, cache, layer, hint=hint, lora=lora)
-        return x, (k.astype(cache.k.dtype), v.astype(cache.v.dtype))
-    x, (k, v) = hk.layer_stack(cfg.n_layer, with_per_layer_inputs=True, name="blocks")(body)(x, jnp.arange(cfg.n_layer))
-    k, v = after(x, k, v)   # (see `after`)
+        window = layer_window(cfg, layer)
+        x, (k, v) = block(x, sin, cos, self_mask(live, window, padded), cfg, cache, layer, window, hint, lora)
+        return x, None if cache is None else (k.astype(cache.k.dtype), v.astype(cache.v.dtype))
+    if cache is None and cfg.remat: body = hk.remat(body, policy=REMAT_POLICY[cfg.remat_policy])
+    x, kv = hk.layer_stack(cfg.n_layer, with_per_layer_inputs=True, name="blocks")(body)(x, jnp.arange(cfg.n_layer))
+    if cache is None: return x, None
+    k, v = after(x, *kv)   # (see `after`)
     return x, cache.write(k, v, live)   # all layers' new keys and values, written in place once
 
 # %% ../nbs/01_model.ipynb #f867f088
@@ -625,8 +633,10 @@ def remat_in_turn(f):
 # %% ../nbs/01_model.ipynb #70790b7e
 def run_layers(layers: list, x, sin, cos, live, attention_mask, cache, cfg, hint=no_hint, lora=None):
     "The blocks on `x`, in a loop over `layers` (each one layer's weights): the new `x` and the updated cache (or None)."
-    mask = self_mask(live, cfg, padded=attention_mask is not None or cache is not None)
-    run = lambda p, x, i: _block.apply(p, x, sin, cos, mask, cfg, cache, i, hint=hint, lora=lora)
+    padded = attention_mask is not None or cache is not None
+    masks = {w: self_mask(live, w, padded) for w in {layer_window(cfg, i) for i in range(len(layers))}}
+    run = lambda p, x, i: _block.apply(p, x, sin, cos, masks[layer_window(cfg, i)], cfg, cache, i, layer_window(cfg, i),
+                                       hint=hint, lora=lora)
     if cache is None:   # no cache: only x goes on (remat: "nothing" in turn; "dots" keeps the products, as in the scan)
         step = lambda p, x, i: run(p, x, i)[0]
         if cfg.remat and cfg.remat_policy == "nothing": step = lambda p, x, i, f=step: remat_in_turn(partial(f, i=i))(p, x)

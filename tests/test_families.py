@@ -112,10 +112,46 @@ def test_kv_cache_and_greedy_generation_match_hf(name, family_checkpoint):
     assert got == want
 
 
-@pytest.mark.parametrize("name", ["llama mqa tied", "qwen2", "neox sequential, half rotary"])
+QWEN2_WINDOW = VARIANTS["qwen2"].replace(n_layer=3, sliding_window=5, sliding_window_from=1)
+
+
+@pytest.mark.parity
+def test_qwen2_window_on_the_last_layers_matches_hf(family_checkpoint):
+    """Qwen2 with `use_sliding_window`: layers from `max_window_layers` on see the last `sliding_window` positions, the
+    first ones see all. Logits (stacked scan and per-layer loop, padded or not), cached decoding and greedy generation."""
+    import torch
+    cfg = QWEN2_WINDOW
+    hf_cfg = cfg.to_hf()
+    assert (hf_cfg.use_sliding_window, hf_cfg.max_window_layers, hf_cfg.layer_types) == \
+        (True, 1, ["full_attention", "sliding_attention", "sliding_attention"])
+    path, model = family_checkpoint(cfg)
+    lm = LM.from_hf(path, dtype="float32", progress=False)
+    assert (lm.config.sliding_window, lm.config.sliding_window_from) == (5, 1)
+    tokens = np.random.default_rng(1).integers(0, cfg.n_vocab, (2, 19))
+    ref = hf_logits(model, tokens)
+    npt.assert_allclose(np.asarray(lm.logits(tokens)), ref, atol=1e-4, rtol=0)
+    npt.assert_allclose(np.asarray(jax.jit(gptj(lm.config).apply)(lm.params, tokens)), ref, atol=1e-4, rtol=0)
+    for other in (cfg.replace(sliding_window_from=0), cfg.replace(sliding_window=None)):   # the layering mattered
+        assert np.abs(np.asarray(jax.jit(gptj(other).apply)(lm.params, tokens)) - ref).max() > 1e-2
+    mask = np.ones_like(tokens); mask[0, :4] = 0
+    npt.assert_allclose(np.asarray(lm.logits(tokens, mask))[0, 4:], hf_logits(model, tokens[:1, 4:])[0], atol=1e-4, rtol=0)
+    step = jax.jit(gptj(lm.config).apply)
+    logits, cache = step(lm.params, tokens[:, :7], None, KVCache.init(lm.config, 2, 32))
+    npt.assert_allclose(logits, ref[:, :7], atol=1e-4, rtol=0)
+    for t in range(7, 19):
+        logits, cache = step(lm.params, tokens[:, t:t + 1], None, cache)
+        npt.assert_allclose(logits[:, 0], ref[:, t], atol=1e-4, rtol=0)
+    prompt = tokens[1, :4].tolist()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, 4:].tolist()
+    assert lm.generate([prompt], max_new_tokens=20, temperature=0, eos_token_id=None).tokens[0] == want
+
+
+@pytest.mark.parametrize("name", ["llama mqa tied", "qwen2", "neox sequential, half rotary", "qwen2 window"])
 def test_save_hf_round_trip(name, tmp_path):
     "meshtx's weights → save_hf → the family's HF class: the same tensors, bit for bit, and the same logits."
-    cfg = VARIANTS[name]
+    cfg = QWEN2_WINDOW if name == "qwen2 window" else VARIANTS[name]
     lm = LM.init(cfg, seed=4)
     lm.save_hf(tmp_path / "out", progress=False)
     transformers = quiet_transformers()
@@ -177,8 +213,11 @@ def test_preset_parameter_counts_equal_hf(name):
 def test_bad_family_configs_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="model_type='bert'"):
         ModelConfig.from_hf({"model_type": "bert"})
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        ModelConfig.from_hf(quiet_transformers().Qwen2Config(use_sliding_window=True, sliding_window=64).to_dict())
+    with pytest.raises(ValueError, match="layer_types=.*the last layers only"):   # a window on the first layer only
+        ModelConfig.from_hf(quiet_transformers().Qwen2Config(num_hidden_layers=3, use_sliding_window=True, sliding_window=64,
+                            layer_types=["sliding_attention", "full_attention", "full_attention"]).to_dict())
+    with pytest.raises(ValueError, match="sliding_window_from=4 must be a layer index from 0 to n_layer=2"):
+        QWEN2_WINDOW.replace(n_layer=2, sliding_window_from=4)
     with pytest.raises(ValueError, match="parallel_residual=True cannot be written as Hugging Face's LlamaConfig"):
         LLAMA.replace(parallel_residual=True).to_hf()
     with pytest.raises(ValueError, match="n_kv_head=3 must divide n_head=4"):
