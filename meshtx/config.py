@@ -29,7 +29,7 @@ class Switches:
     family: str = "gptj"       # Hugging Face's model_type: "gptj", "llama", "mistral", "qwen2" or "gpt_neox"
     n_kv_head: int | None = None    # key/value heads (grouped-query attention when fewer than n_head)
     norm: str | None = None         # "layernorm" or "rmsnorm"
-    activation: str | None = None   # the MLP's: "gelu_new" (tanh), "gelu" (erf), "silu" or "relu"
+    activation: str | None = None   # the MLP's: "gelu_new" (tanh; also "gelu_fast", "gelu_pytorch_tanh"), "gelu" (erf), "silu", "relu"
     gated_mlp: bool | None = None   # act(gate(x)) · up(x) (SwiGLU) instead of act(fc_in(x))
     parallel_residual: bool | None = None  # x + attn(..) + mlp(..) (GPT-J, NeoX) or x + attn(..), then + mlp(..)
     mlp_norm: bool | None = None    # the MLP reads its own norm, ln_2, instead of sharing ln_1 with attention
@@ -110,7 +110,7 @@ FAMILY_NAMES = {"gptj": "GPT-J", "llama": "Llama", "mistral": "Mistral", "qwen2"
 
 def family_name(config) -> str: return FAMILY_NAMES[config.family]
 
-CHOICES = dict(norm=("layernorm", "rmsnorm"), activation=("gelu_new", "gelu", "silu", "relu"),
+CHOICES = dict(norm=("layernorm", "rmsnorm"), activation=("gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu", "silu", "relu"),
                rotary_style=("pairs", "halves"), rope_scaling=("none", "linear", "dynamic", "llama3"))
 
 # %% ../nbs/00_config.ipynb #d7640b06
@@ -205,6 +205,7 @@ PRESETS = {
     "pythia-160m": dict(_PYTHIA, n_layer=12, d_model=768, n_head=12, d_ff=3072),
     "pythia-1.4b": dict(_PYTHIA, n_layer=24, d_model=2048, n_head=16, d_ff=8192),
     "pythia-6.9b": dict(_PYTHIA, n_layer=32, d_model=4096, n_head=32, d_ff=16384, n_vocab=50432),
+    "gpt-neox-20b": dict(_PYTHIA, n_layer=44, d_model=6144, n_head=64, d_ff=24576, n_vocab=50432, activation="gelu_fast"),
 }
 
 # %% ../nbs/00_config.ipynb #cebcbd52

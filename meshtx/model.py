@@ -231,7 +231,8 @@ gelu_new.defvjp(lambda x: (gelu_new(x), x), _gelu_new_grad)
 def no_hint(x, kind: str): return x
 
 ACTIVATIONS = {"gelu_new": gelu_new, "gelu": partial(jax.nn.gelu, approximate=False), "silu": jax.nn.silu,
-               "relu": jax.nn.relu}
+               "relu": jax.nn.relu,
+               "gelu_fast": gelu_new, "gelu_pytorch_tanh": gelu_new}   # HF's other names for the tanh approximation
 
 def mlp(h, cfg: ModelConfig, hint=no_hint, lora=None):
     """The MLP on `h` `[B, T, D]`: `fc_out(act(fc_in(h)))`, or, gated (SwiGLU, Llama's), `fc_out(act(fc_gate(h)) · fc_in(h))`."""

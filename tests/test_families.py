@@ -22,6 +22,7 @@ VARIANTS = {
     "qwen2": LLAMA.replace(family="qwen2", qkv_bias=True, ln_eps=1e-6),
     "neox parallel": NEOX,
     "neox sequential, half rotary": NEOX.replace(parallel_residual=False, rotary_dim=8),
+    "neox gelu_fast (GPT-NeoX-20B's)": NEOX.replace(activation="gelu_fast"),
 }
 
 
