@@ -1,6 +1,6 @@
 """meshtx on a TPU chip (or any accelerator JAX sees): is it right there, how fast, and does `plan` hold?
 
-    python bench/tpu.py parity [--json F]                 # tiny configs of every family: the chip against the CPU
+    python bench/tpu.py parity [--quick | --variants A,B] [--json F]   # tiny configs of every family: the chip against the CPU
     python bench/tpu.py row PRESET MODE [--seq S] [--json F]   # one real shape, random bf16 weights, in its own process
     python bench/tpu.py plan PRESET... [--seq S] [--json F]    # `plan` against XLA's compiled memory analysis (abstract)
 
@@ -8,7 +8,7 @@
 compares, per family variant: float32 logits at JAX's highest matmul precision, greedy tokens of a padded batch,
 the losses of three LoRA steps and of two full fine-tune steps; and the bf16 logits' argmax against float32's.
 
-`row` measures one of: `infer` (greedy `generate`, batch 1 and `--batch`, prompt 128: tokens/s after a compiling
+`row` measures one of: `infer` (greedy `generate`, batch 1 and `--batch`, `--prompt` tokens then `--new`: tokens/s after a compiling
 run, against the limit the chip's measured read bandwidth sets), `lora` (a rank-8 LoRA step at batch 1 × `--seq`,
 remat) or `train` (a full step, bf16 weights and Adam moments, remat). Each row reports the chip's peak memory (the
 allocator's `peak_bytes_in_use`) next to `meshtx.plan(..., device=...)` for the same work. One row per process: the
@@ -43,7 +43,16 @@ def scaled(lm, dtype="float32"):
     return LM(_with_dtype(lm.config, dtype, dtype), params, None)
 
 
-def parity_results(dtype="float32") -> dict:
+QUICK = ("gptj", "llama gqa", "mistral window 7", "qwen2 window on the last layer", "neox parallel")
+
+def chosen(args) -> list:
+    "The variants `parity` runs: `--variants`, or `QUICK`'s five with `--quick`, or all."
+    names = args.variants.split(",") if args.variants else QUICK if args.quick else list(variants())
+    unknown = [n for n in names if n not in variants()]
+    if unknown: raise SystemExit(f"unknown variants {unknown}; known: {list(variants())}")
+    return names
+
+def parity_results(names, dtype="float32", full=True) -> dict:
     "Every number the comparison needs, computed on this process's default backend."
     import itertools, numpy as np, jax
     from meshtx import LM, Trainer
@@ -52,12 +61,14 @@ def parity_results(dtype="float32") -> dict:
     tokens = rng.integers(0, 300, (2, 24))
     batches = rng.integers(0, 300, (4, 1, 2, 33))
     for name, cfg in variants().items():
+        if name not in names: continue
+        print(f"  {jax.default_backend()} {dtype}: {name}", file=sys.stderr, flush=True)
         lm = scaled(LM.init(cfg, seed=1, dtype="float32", tokenizer=None), dtype)
         out[f"{name}/logits"] = np.asarray(lm.logits(tokens), np.float32)
         g = lm.generate([[5, 6, 7], list(range(10, 22))], max_new_tokens=16, temperature=0, eos_token_id=None)
         out[f"{name}/greedy"] = np.array(g.tokens)
         if dtype != "float32": continue
-        for what, kw in (("lora", dict(lora=8)), ("full", dict(param_dtype="float32"))):
+        for what, kw in (("lora", dict(lora=8)), ("full", dict(param_dtype="float32")))[:2 if full else 1]:
             t = Trainer(scaled(LM.init(cfg, seed=1, dtype="float32", tokenizer=None)), iter(batches), lr=1e-2, progress=False, **kw)
             out[f"{name}/{what} losses"] = np.array([t.step()["loss"] for _ in range(3 if what == "lora" else 2)])
     return out
@@ -67,24 +78,27 @@ def parity(args):
     import numpy as np
     ref_file = Path(tempfile.mkdtemp()) / "cpu.npz"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    subprocess.run([sys.executable, __file__, "parity-child", str(ref_file)], env=env, check=True)
+    names, full = chosen(args), not args.quick
+    subprocess.run([sys.executable, __file__, "parity-child", str(ref_file), ",".join(names), str(int(full))], env=env, check=True)
     ref = dict(np.load(ref_file))
     import jax
-    here, bf16 = parity_results(), parity_results("bfloat16")
+    here, bf16 = parity_results(names, full=full), parity_results(names, "bfloat16")
     rows = []
-    for name in variants():
+    for name in names:
         a, b = ref[f"{name}/logits"], here[f"{name}/logits"]
         row = dict(row="parity", variant=name, backend=jax.default_backend(), logits_max_abs=float(np.abs(a - b).max()),
                    logits_scale=float(np.abs(a).max()),
                    greedy_equal=bool((ref[f"{name}/greedy"] == here[f"{name}/greedy"]).all()),
                    greedy_positions_equal=float((ref[f"{name}/greedy"] == here[f"{name}/greedy"]).mean()),
                    bf16_argmax_agreement=float((bf16[f"{name}/logits"].argmax(-1) == a.argmax(-1)).mean()))
-        for what in ("lora", "full"):
+        for what in ("lora", "full")[:2 if full else 1]:
             la, lb = ref[f"{name}/{what} losses"], here[f"{name}/{what} losses"]
             row[f"{what}_losses_cpu"], row[f"{what}_losses_here"] = la.round(6).tolist(), lb.round(6).tolist()
             row[f"{what}_losses_max_rel"] = float((np.abs(la - lb) / np.abs(la)).max())
-        row["ok"] = bool(row["logits_max_abs"] <= 1e-3 * max(1.0, row["logits_scale"]) and row["greedy_equal"]
-                         and row["lora_losses_max_rel"] <= 1e-3 and row["full_losses_max_rel"] <= 1e-3)
+        # a TPU's exp, tanh and rsqrt agree with a CPU's to 4-5 digits even at the highest matmul precision, and the
+        # weights (std 0.2) amplify that through each block: logits within 1 % of their scale, the same greedy tokens
+        row["ok"] = bool(row["logits_max_abs"] <= 1e-2 * max(1.0, row["logits_scale"]) and row["greedy_equal"]
+                         and row["lora_losses_max_rel"] <= 1e-2 and row.get("full_losses_max_rel", 0) <= 1e-2)
         rows.append(row); emit(row, args.json)
     print(f"parity on {jax.default_backend()}: {sum(r['ok'] for r in rows)} of {len(rows)} variants agree with the CPU")
 
@@ -109,20 +123,22 @@ def row(args):
     out.update(init_seconds=round(time.perf_counter() - t0, 1), n_params=lm.config.n_params, peak_after_init_gib=peak_gib()[0])
     cfg, rng = lm.config, np.random.default_rng(0)
     if args.mode == "infer":
-        out["read_bandwidth_gbs"] = read_bandwidth(1 << 30) / 1e9
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(lm.params))
-        for B in (1, args.batch):
-            prompts = rng.integers(0, min(cfg.n_vocab, 50000), (B, 128)).tolist()
+        for B in dict.fromkeys((1, args.batch)):
+            prompts = rng.integers(0, min(cfg.n_vocab, 50000), (B, args.prompt)).tolist()
             t0 = time.perf_counter()
             lm.generate(prompts, max_new_tokens=args.new, temperature=0, eos_token_id=None)
             first = time.perf_counter() - t0
             t0 = time.perf_counter()
             lm.generate(prompts, max_new_tokens=args.new, temperature=0, eos_token_id=None)
             wall = time.perf_counter() - t0
-            p = plan(cfg, 1, mode="infer", batch=B, seq=128 + args.new, device=chip, param_dtype="bfloat16")
+            p = plan(cfg, 1, mode="infer", batch=B, seq=args.prompt + args.new, device=chip, param_dtype="bfloat16")
             out[f"batch{B}"] = dict(first_call_seconds=round(first, 2), seconds=round(wall, 3), tokens_per_s=round(B * args.new / wall, 2),
-                                    limit_tokens_per_s=round(B * out["read_bandwidth_gbs"] * 1e9 / weight_bytes, 2),
                                     plan_gib=p.total / 2**30, peak_gib=peak_gib()[0])
+            print(f"  batch {B}: {out[f'batch{B}']}", file=sys.stderr, flush=True)   # what a time limit leaves
+        out["read_bandwidth_gbs"] = read_bandwidth(1 << 30) / 1e9   # after: its 1 GiB must not sit beside the model
+        for B in dict.fromkeys((1, args.batch)):   # batch-1 decoding reads every weight once per token: the fastest it can go
+            out[f"batch{B}"]["limit_tokens_per_s"] = round(B * out["read_bandwidth_gbs"] * 1e9 / weight_bytes, 2)
     else:
         S = args.seq
         tokens = rng.integers(0, cfg.n_vocab, (1, 1, S + 1))
@@ -175,13 +191,15 @@ def emit(row: dict, path=None):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["parity-child"]:
         import numpy as np
-        np.savez(sys.argv[2], **parity_results()); sys.exit()
+        np.savez(sys.argv[2], **parity_results(sys.argv[3].split(","), full=sys.argv[4] == "1")); sys.exit()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("parity"); a.add_argument("--json")
+    a.add_argument("--quick", action="store_true", help="five variants, no full fine-tune step (compiling is slow on a TPU)")
+    a.add_argument("--variants", help="comma-separated variant names (default: all, or --quick's five)")
     a = sub.add_parser("row"); a.add_argument("preset"); a.add_argument("mode", choices=["infer", "lora", "train"])
     a.add_argument("--seq", type=int, default=2048); a.add_argument("--batch", type=int, default=16)
-    a.add_argument("--new", type=int, default=256); a.add_argument("--json")
+    a.add_argument("--new", type=int, default=256); a.add_argument("--prompt", type=int, default=128); a.add_argument("--json")
     a = sub.add_parser("plan"); a.add_argument("presets", nargs="+"); a.add_argument("--seq", type=int, default=2048); a.add_argument("--json")
     args = p.parse_args()
     dict(parity=parity, row=row, plan=plan_rows)[args.cmd](args)

@@ -41,3 +41,22 @@ def test_serve_benchmark_prints_its_table():
     rows = {l.split(" | ")[0][2:]: l.split(" | ")[1] for l in table[1:]}
     assert int(rows["requests answered (of them streamed)"].split()[0]) > 0, r.stdout
     assert any(k.startswith("head of line") for k in rows) and "server RSS idle (after warm-up) / peak (VmHWM)" in rows, r.stdout
+
+
+@pytest.mark.slow
+def test_tpu_script_runs_on_the_cpu(tmp_path):
+    """bench/tpu.py, the lent TPU chip's plan, at the tiny shape on the CPU: the parity run (here CPU against CPU, in two
+    processes), each kind of row, and the plan rows all finish and write their JSON lines. No timing is asserted."""
+    import json
+    out, env = tmp_path / "rows.jsonl", {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    runs = [["parity", "--variants", "gptj,qwen2 window on the last layer"], ["row", "tiny", "infer", "--prompt", "16", "--new", "8", "--batch", "2"],
+            ["row", "tiny", "lora", "--seq", "32"], ["row", "tiny", "train", "--seq", "32"], ["plan", "tiny", "--seq", "32"]]
+    for args in runs:
+        r = subprocess.run([sys.executable, str(BENCH / "tpu.py"), *args, "--json", str(out)], capture_output=True, text=True,
+                           timeout=300, cwd=BENCH, env=env)
+        assert r.returncode == 0, (args, r.stderr[-3000:])
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [r["row"] for r in rows] == ["parity", "parity", "infer", "lora", "train", "plan", "plan"], rows
+    assert all(r["ok"] and r["logits_max_abs"] == 0 for r in rows[:2])   # the CPU against itself: exactly equal
+    assert rows[2]["batch2"]["tokens_per_s"] > 0 and rows[2]["batch1"]["plan_gib"] > 0
+    assert all(r["loss"] > 0 for r in rows[3:5]) and all(0.5 < r["plan_over_xla"] < 2 for r in rows[5:])
