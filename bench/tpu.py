@@ -132,7 +132,7 @@ def row(args):
             t0 = time.perf_counter()
             lm.generate(prompts, max_new_tokens=args.new, temperature=0, eos_token_id=None)
             wall = time.perf_counter() - t0
-            p = plan(cfg, 1, mode="infer", batch=B, seq=args.prompt + args.new, device=chip, param_dtype="bfloat16")
+            p = plan(cfg, 1, mode="infer", batch=B, seq=args.prompt + args.new, prompt=args.prompt, device=chip, param_dtype="bfloat16")
             out[f"batch{B}"] = dict(first_call_seconds=round(first, 2), seconds=round(wall, 3), tokens_per_s=round(B * args.new / wall, 2),
                                     plan_gib=p.total / 2**30, peak_gib=peak_gib()[0])
             print(f"  batch {B}: {out[f'batch{B}']}", file=sys.stderr, flush=True)   # what a time limit leaves

@@ -379,7 +379,7 @@ def cmd_plan(args) -> int:
     config = ModelConfig.from_hf(args.hf_config) if args.hf_config else ModelConfig.preset(args.preset)
     p = plan(config, args.devices, mode=args.mode, batch=args.batch, seq=args.seq, device=args.device,
              param_dtype=args.param_dtype, opt_dtype=args.opt_dtype, lora_rank=args.lora_rank,
-             remat=not args.no_remat, dp=args.dp, fsdp=args.fsdp, mp=args.mp)
+             remat=not args.no_remat, dp=args.dp, fsdp=args.fsdp, mp=args.mp, prompt=args.prompt)
     print(p)
     return 0
 
@@ -393,6 +393,8 @@ def _add_plan(sub):
     s.add_argument("--mode", choices=["infer", "train", "lora"], default="infer")
     s.add_argument("--batch", type=_positive, default=1, help="global batch size (sequences)")
     s.add_argument("--seq", type=_positive, help="sequence length (default: the model's context)")
+    s.add_argument("--prompt", type=_positive, help="infer: generation's, a PROMPT-token prompt into a --seq-slot cache "
+                   "(default: a forward of all --seq tokens, every position's logits)")
     s.add_argument("--device", help="a chip to check against (tpu-v5e, t4, l4, a100-80gb, h100, h200, ...)")
     for a in ("dp", "fsdp", "mp"): s.add_argument(f"--{a}", type=_positive, help=f"mesh size of '{a}' (default: chosen)")
     s.add_argument("--param-dtype", choices=["float32", "bfloat16"], help="default: float32 to train, bfloat16 otherwise")

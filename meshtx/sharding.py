@@ -222,6 +222,7 @@ class MemoryPlan:
     device: str | None = None
     remat: bool = False  # the total counts `activations` (True) or `activations_no_remat`
     notes: tuple = ()    # what the reader should know (a batch that does not split)
+    prompt: int | None = None   # inference: the prompt's tokens (of `seq` cache slots), as `generate` runs them
 
     @property
     def total(self) -> int: return self.bytes["total"]
@@ -235,6 +236,7 @@ class MemoryPlan:
         m = self.mesh
         rows = [f"{family_name(self.config)} {self.config.n_params / 1e9:.2f}B params, mode={self.mode}, mesh dp={m['dp']} fsdp={m['fsdp']} "
                 f"mp={m['mp']} ({m['dp'] * m['fsdp'] * m['mp']} devices), batch={self.batch}, seq={self.seq}"
+                + (f", prompt={self.prompt}" if self.prompt else "")
                 + (f", remat={'on' if self.remat else 'off'}" if self.mode != "infer" else ""),
                 f"{'per device':<24}{'GB':>10}{'GiB':>10}"]
         counted = "activations" if self.remat or self.mode == "infer" else "activations_no_remat"
@@ -268,24 +270,26 @@ def _rows_per_device(mode: str, batch: int, shards: int, notes: list) -> int:
 
 # %% ../nbs/03_sharding.ipynb #5fe96906
 def _working_bytes(config: ModelConfig, shapes: dict, axes: dict, mode: str, batch: int, rows: int, seq: int,
-                   compute_dtype, kv_c: int) -> dict:
-    "Per device: FSDP's gathered weights, the activations (with and without remat) and the KV cache."
+                   compute_dtype, kv_c: int, prompt: int | None = None) -> dict:
+    """Per device: FSDP's gathered weights, the activations (with and without remat) and the KV cache. With `prompt`
+    (inference), only `prompt` of the `seq` cache slots are computed, and only the last position's logits kept."""
     # activations, per device: tokens are split over dp x fsdp (when they divide), heads / MLP units / vocabulary over mp
     w = {"gathered": 0, "activations": 0, "activations_no_remat": 0, "kv_cache": 0}
     c, D, L, V = _nbytes(compute_dtype), config.d_model, config.n_layer, config.n_vocab
     mpn, shards = axes["mp"], axes["dp"] * axes["fsdp"]
-    tok = rows * seq
+    new = prompt or seq                 # the positions computed at once
+    tok = rows * new
     H, HD, F = config.n_head / mpn, config.n_head * config.d_head / mpn, config.d_ff / mpn
-    layer = tok * (c * (2 * D + 6 * HD + (2 + config.gated_mlp) * F) + H * seq * (4 + c))   # everything one block keeps for backward
+    layer = tok * (c * (2 * D + 6 * HD + (2 + config.gated_mlp) * F) + H * new * (4 + c))   # everything one block keeps for backward
     if axes["fsdp"] > 1:   # FSDP all-gathers one block's weights (this one and the next, prefetched) before use
         block = sum(math.prod(x.shape[1:]) for m, ps in shapes.items() if "/blocks/" in m for x in ps.values())
         w["gathered"] = int(2 * block / mpn * c)
-    logits = tok * V / mpn * 4
+    logits = (rows if prompt else tok) * V / mpn * 4
     if mode == "infer":
-        kv = L * 2 * rows * seq * int(config.n_kv_head * config.d_head / mpn)   # keys and values, every layer's
+        kv = L * 2 * rows * int(config.n_kv_head * config.d_head / mpn)   # keys and values of one position, every layer's
         # a prompt's new keys and values wait for the one cache write (computed, and converted where the cache's dtype differs)
-        w["activations"] = w["activations_no_remat"] = int(layer + logits + kv * (kv_c + (c if c != kv_c else 0)))
-        w["kv_cache"] = kv * kv_c
+        w["activations"] = w["activations_no_remat"] = int(layer + logits + kv * new * (kv_c + (c if c != kv_c else 0)))
+        w["kv_cache"] = kv * seq * kv_c
     else:   # the fused loss holds a chunk's float32 logits and exponentials, and, training the head, the logits' gradient
         # and the head's gradient sum (XLA's buffers, measured: a frozen head's logit gradient reuses a buffer)
         chunk = logits / n_loss_chunks(batch, seq, LOSS_ROWS * shards)
@@ -297,9 +301,11 @@ def _working_bytes(config: ModelConfig, shapes: dict, axes: dict, mode: str, bat
 # %% ../nbs/03_sharding.ipynb #73ddd41a
 def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batch: int = 1, seq: int | None = None,
          device: str | None = None, param_dtype=None, opt_dtype="float32", compute_dtype="bfloat16",
-         lora_rank: int = 16, remat: bool | None = None, dp=None, fsdp=None, mp=None, backend: str | None = None) -> MemoryPlan:
+         lora_rank: int = 16, remat: bool | None = None, dp=None, fsdp=None, mp=None, backend: str | None = None,
+         prompt: int | None = None) -> MemoryPlan:
     """Bytes per device to run `config` in `mode` ('infer', 'train', 'lora') on a mesh or a number of devices, on `backend`
-    ('cpu', 'gpu', 'tpu'; default: `device`'s, else JAX's)."""
+    ('cpu', 'gpu', 'tpu'; default: `device`'s, else JAX's). Inference plans a forward of `seq` tokens with every
+    position's logits (`lm.logits`); with `prompt`, `generate`'s: a `prompt`-token prompt into a `seq`-slot cache."""
     config = ModelConfig.preset(config) if isinstance(config, str) else config
     if device is not None and device not in CHIPS: raise ValueError(f"unknown device {device!r}; known: {sorted(CHIPS)}")
     notes = []
@@ -310,6 +316,8 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     seq = seq or config.n_ctx
     if seq > config.n_ctx: raise ValueError(f"seq={seq} is longer than the model's context n_ctx={config.n_ctx}")
     if batch < 1 or seq < 1: raise ValueError(f"batch={batch} and seq={seq} must be at least 1")
+    if prompt is not None and (mode != "infer" or not 1 <= prompt <= seq):
+        raise ValueError(f"prompt={prompt!r} must be from 1 to seq={seq} tokens, and only with mode='infer' (not {mode!r})")
     if isinstance(mesh_or_devices, Mesh):
         axes = {a: mesh_or_devices.shape[a] for a in AXES}
         asked = {a: v for a, v in dict(dp=dp, fsdp=fsdp, mp=mp).items() if v is not None and v != axes[a]}
@@ -335,8 +343,8 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
         b["grads"], b["updates"], b["opt_state"] = n * 4, n * 4, 2 * n * 4
         b["params"] += n * 4
     kv_c = _nbytes(cache_dtype(config.replace(compute_dtype=str(jnp.dtype(compute_dtype))), backend))   # float32 on a CPU
-    b.update(_working_bytes(config, shapes, axes, mode, batch, rows, seq, compute_dtype, kv_c))
+    b.update(_working_bytes(config, shapes, axes, mode, batch, rows, seq, compute_dtype, kv_c, prompt))
     b["total"] = (b["params"] + b["opt_state"] + b["grads"] + b["gathered"] + b["kv_cache"]   # updates reuse the activations' memory
                   + max(b["updates"], b["activations"] if remat else b["activations_no_remat"]))
     kv_per_token = config.n_layer * 2 * config.n_kv_head * config.d_head * kv_c
-    return MemoryPlan(config, mode, axes, batch, seq, b, kv_per_token, device, remat, tuple(notes))
+    return MemoryPlan(config, mode, axes, batch, seq, b, kv_per_token, device, remat, tuple(notes), prompt)
