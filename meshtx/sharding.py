@@ -316,8 +316,8 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     seq = seq or config.n_ctx
     if seq > config.n_ctx: raise ValueError(f"seq={seq} is longer than the model's context n_ctx={config.n_ctx}")
     if batch < 1 or seq < 1: raise ValueError(f"batch={batch} and seq={seq} must be at least 1")
-    if prompt is not None and (mode != "infer" or not 1 <= prompt <= seq):
-        raise ValueError(f"prompt={prompt!r} must be from 1 to seq={seq} tokens, and only with mode='infer' (not {mode!r})")
+    if prompt is not None and mode != "infer": raise ValueError(f"prompt={prompt!r} is only with mode='infer' (generation), not {mode!r}")
+    if prompt is not None and not 1 <= prompt <= seq: raise ValueError(f"prompt={prompt!r} must be from 1 to seq={seq} tokens")
     if isinstance(mesh_or_devices, Mesh):
         axes = {a: mesh_or_devices.shape[a] for a in AXES}
         asked = {a: v for a, v in dict(dp=dp, fsdp=fsdp, mp=mp).items() if v is not None and v != axes[a]}
