@@ -171,14 +171,17 @@ def plan_rows(args):
     for name in args.presets:
         cfg = meshtx.ModelConfig.preset(name).replace(param_dtype="bfloat16", compute_dtype="bfloat16", remat=True)
         for mode, lora, kw in (("lora", 8, dict(lora_rank=8)), ("train", 0, dict(opt_dtype="bfloat16"))):
+            pl = meshtx.plan(cfg, 1, mode=mode, batch=1, seq=args.seq, device=chip, param_dtype="bfloat16", remat=True, **kw)
+            row = dict(row="plan", preset=name, mode=mode, seq=args.seq, plan_gib=pl.total / 2**30,
+                       plan_parts_gib={k: round(v / 2**30, 3) for k, v in pl.bytes.items() if v}, plan_fits=pl.fits(chip) if chip else None)
             try:
                 t0 = time.perf_counter()
                 xla = step_memory(cfg, 1, args.seq, lora=lora)   # a full step's Adam moments in the weights' dtype (bf16)
-                pl = meshtx.plan(cfg, 1, mode=mode, batch=1, seq=args.seq, device=chip, param_dtype="bfloat16", remat=True, **kw)
-                emit(dict(row="plan", preset=name, mode=mode, seq=args.seq, plan_gib=pl.total / 2**30, xla_gib=xla["total"] / 2**30,
-                          plan_over_xla=round(pl.total / xla["total"], 3), compile_seconds=round(time.perf_counter() - t0, 1)), args.json)
-            except Exception as e:   # one preset's failure (say, a program too big to compile) must not hide the rest
-                emit(dict(row="plan", preset=name, mode=mode, error=f"{type(e).__name__}: {str(e)[:300]}"), args.json)
+                emit(dict(row, xla_gib=xla["total"] / 2**30, xla_arguments_gib=xla["arguments"] / 2**30,
+                          xla_temporaries_gib=xla["temporaries"] / 2**30, plan_over_xla=round(pl.total / xla["total"], 3),
+                          compile_seconds=round(time.perf_counter() - t0, 1)), args.json)
+            except Exception as e:   # one preset's failure (say, a program too big for the chip) must not hide the rest
+                emit(dict(row, error=f"{type(e).__name__}: {str(e)[:300]}"), args.json)
 
 
 def emit(row: dict, path=None):
