@@ -338,6 +338,10 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     if mode == "train":
         b["grads"] = b["updates"] = per_device(param_dtype)
         b["opt_state"] = 2 * per_device(opt_dtype)
+        if backend == "cpu" and _nbytes(param_dtype) < 4:   # XLA:CPU computes narrow floats' arithmetic in float32
+            b["updates"] = per_device("float32")
+            notes.append(f"on a CPU: the optimizer's update of {jnp.dtype(param_dtype).name} weights is computed "
+                         "and held in float32")
     elif mode == "lora":
         n = lora_params(config, lora_rank)
         b["grads"], b["updates"], b["opt_state"] = n * 4, n * 4, 2 * n * 4
