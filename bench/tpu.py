@@ -3,6 +3,7 @@
     python bench/tpu.py parity [--quick | --variants A,B] [--json F]   # tiny configs of every family: the chip against the CPU
     python bench/tpu.py row PRESET MODE [--seq S] [--json F]   # one real shape, random bf16 weights, in its own process
     python bench/tpu.py plan PRESET... [--seq S] [--json F]    # `plan` against XLA's compiled memory analysis (abstract)
+    python bench/tpu.py infer-plan PRESET... [--shapes BxPxS,...]   # `plan(prompt=)` against XLA's for generate's prefill
 
 `parity` runs itself twice: once with `JAX_PLATFORMS=cpu` (the reference, float32), then on the chip, where it
 compares, per family variant: float32 logits at JAX's highest matmul precision, greedy tokens of a padded batch,
@@ -184,6 +185,48 @@ def plan_rows(args):
                 emit(dict(row, error=f"{type(e).__name__}: {str(e)[:300]}"), args.json)
 
 
+def prefill_memory(cfg, batch: int, prompt: int, slots: int) -> dict:
+    """XLA's memory analysis (bytes) of `generate`'s prefill as it runs on an accelerator: the stacked weights, a
+    `prompt`-token batch into a donated `slots`-slot cache, the last position's logits (abstract: nothing allocated)."""
+    import jax, jax.numpy as jnp
+    from functools import partial
+    from meshtx import sampling
+    from meshtx.model import KVCache, gptj, param_shapes
+    model = gptj(cfg)
+    cache = jax.eval_shape(lambda: KVCache.init(cfg, batch, slots))
+    prefill = jax.jit(lambda p, t, m, c: sampling._prefill(partial(model.apply, layers=None), p, t, m, c, cfg.n_vocab),
+                      donate_argnums=3)
+    ids = jax.ShapeDtypeStruct((batch, prompt), jnp.int32)
+    m = prefill.lower(param_shapes(cfg), ids, ids, cache).compile().memory_analysis()
+    alias = getattr(m, "alias_size_in_bytes", 0)
+    return dict(arguments=m.argument_size_in_bytes, temporaries=m.temp_size_in_bytes,
+                total=m.argument_size_in_bytes + m.output_size_in_bytes - alias + m.temp_size_in_bytes)
+
+
+def infer_plan_rows(args):
+    "`plan(prompt=...)` against XLA's analysis of `generate`'s prefill, per preset and (batch, prompt, cache slots)."
+    import jax
+    import meshtx
+    from meshtx.sharding import chip_of
+    chip = chip_of(jax.devices()[0].device_kind)
+    shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
+    for name in args.presets:
+        cfg = meshtx.ModelConfig.preset(name).replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+        for B, P, S in shapes:
+            pl = meshtx.plan(cfg, 1, mode="infer", batch=B, seq=S, prompt=P, device=chip, param_dtype="bfloat16",
+                             backend=None if chip else jax.default_backend())
+            row = dict(row="infer_plan", preset=name, batch=B, prompt=P, slots=S, plan_gib=pl.total / 2**30,
+                       plan_parts_gib={k: round(v / 2**30, 3) for k, v in pl.bytes.items() if v})
+            try:
+                t0 = time.perf_counter()
+                xla = prefill_memory(cfg, B, P, S)
+                emit(dict(row, xla_gib=xla["total"] / 2**30, xla_arguments_gib=xla["arguments"] / 2**30,
+                          xla_temporaries_gib=xla["temporaries"] / 2**30, plan_over_xla=round(pl.total / xla["total"], 3),
+                          compile_seconds=round(time.perf_counter() - t0, 1)), args.json)
+            except Exception as e:   # a program too big for the chip must not hide the rest
+                emit(dict(row, error=f"{type(e).__name__}: {str(e)[:300]}"), args.json)
+
+
 def emit(row: dict, path=None):
     line = json.dumps(row, default=float)
     print(line, flush=True)
@@ -204,5 +247,8 @@ if __name__ == "__main__":
     a.add_argument("--seq", type=int, default=2048); a.add_argument("--batch", type=int, default=16)
     a.add_argument("--new", type=int, default=256); a.add_argument("--prompt", type=int, default=128); a.add_argument("--json")
     a = sub.add_parser("plan"); a.add_argument("presets", nargs="+"); a.add_argument("--seq", type=int, default=2048); a.add_argument("--json")
+    a = sub.add_parser("infer-plan", help="plan(prompt=) against XLA's analysis of generate's prefill")
+    a.add_argument("presets", nargs="+"); a.add_argument("--json")
+    a.add_argument("--shapes", default="1x128x384,8x128x384,1x1792x2048", help="batch x prompt x cache slots, comma-separated")
     args = p.parse_args()
-    dict(parity=parity, row=row, plan=plan_rows)[args.cmd](args)
+    {"parity": parity, "row": row, "plan": plan_rows, "infer-plan": infer_plan_rows}[args.cmd](args)

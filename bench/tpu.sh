@@ -3,7 +3,7 @@
 #   here:   bash bench/fetch_wheels.sh --tpu       (wheels the TPU image lacks, for its Python 3.11, into .whl-tpu/)
 #   there:  run(command="bash bench/tpu.sh", carry=[".whl-tpu"], timeout_s=600)
 #           run(command="PART=2 bash bench/tpu.sh", carry=[".whl-tpu"], timeout_s=600)   # the second half
-#           PART=3: follow-ups (batch 8 of GPT-J-6B, the plan's parts beside XLA's)
+#           PART=3: follow-ups (batch 8 of GPT-J-6B, the plan's parts beside XLA's); PART=4: plan(prompt=) against XLA
 # Each step has its own time limit so one slow step cannot eat the others. One program at a time holds the chip.
 set -uo pipefail
 cd "$(dirname "$0")"
@@ -32,6 +32,9 @@ elif [ "${PART}" = 3 ]; then
   # and where the plan and XLA part for the small-model steps (the plan's parts beside XLA's arguments and temporaries)
   step 170 row gptj-6b infer --batch 8 --new 256
   step 150 plan qwen2.5-0.5b llama-3.2-1b pythia-1.4b --seq 2048
+elif [ "${PART}" = 4 ]; then
+  # `plan(prompt=)` against XLA's analysis of generate's prefill on the chip (on a CPU it was 1.00-1.12; never measured here)
+  step 300 infer-plan gptj-6b llama-3.2-1b qwen2.5-0.5b pythia-1.4b --shapes 1x128x384,8x128x384,1x1792x2048
 else
   # every family on the chip against the CPU (compiling tiny programs is slow on a TPU: about 40 s a variant)
   step 330 parity --quick
