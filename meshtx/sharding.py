@@ -298,6 +298,23 @@ def _working_bytes(config: ModelConfig, shapes: dict, axes: dict, mode: str, bat
         w["activations"] = int(L * tok * c * D + layer + loss)
     return w
 
+# %% ../nbs/03_sharding.ipynb #83bd3873
+def _state_bytes(config: ModelConfig, mode: str, per_device, param_dtype, opt_dtype, lora_rank: int, backend: str, notes: list) -> dict:
+    "Per device: the weights, and in training their gradients, optimizer state and update (`per_device(dtype)`: all weights' bytes)."
+    b = {"params": per_device(param_dtype), "opt_state": 0, "grads": 0, "updates": 0}
+    if mode == "train":
+        b["grads"] = b["updates"] = per_device(param_dtype)
+        b["opt_state"] = 2 * per_device(opt_dtype)
+        if backend == "cpu" and _nbytes(param_dtype) < 4:   # XLA:CPU computes narrow floats' arithmetic in float32
+            b["updates"] = per_device("float32")
+            notes.append(f"on a CPU: the optimizer's update of {jnp.dtype(param_dtype).name} weights is computed "
+                         "and held in float32")
+    elif mode == "lora":   # float32 adapters beside the frozen base: their gradients, update and AdamW's two moments
+        n = lora_params(config, lora_rank)
+        b["grads"], b["updates"], b["opt_state"] = n * 4, n * 4, 2 * n * 4
+        b["params"] += n * 4
+    return b
+
 # %% ../nbs/03_sharding.ipynb #73ddd41a
 def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batch: int = 1, seq: int | None = None,
          device: str | None = None, param_dtype=None, opt_dtype="float32", compute_dtype="bfloat16",
@@ -333,19 +350,7 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     def per_device(dtype):
         return sum(math.prod(shard_shape(x.shape, specs[m][p], grid)) * _nbytes(dtype)
                    for m, ps in shapes.items() for p, x in ps.items())
-    b = {"params": per_device(param_dtype), "opt_state": 0, "grads": 0, "updates": 0, "gathered": 0, "activations": 0,
-         "activations_no_remat": 0, "kv_cache": 0}
-    if mode == "train":
-        b["grads"] = b["updates"] = per_device(param_dtype)
-        b["opt_state"] = 2 * per_device(opt_dtype)
-        if backend == "cpu" and _nbytes(param_dtype) < 4:   # XLA:CPU computes narrow floats' arithmetic in float32
-            b["updates"] = per_device("float32")
-            notes.append(f"on a CPU: the optimizer's update of {jnp.dtype(param_dtype).name} weights is computed "
-                         "and held in float32")
-    elif mode == "lora":
-        n = lora_params(config, lora_rank)
-        b["grads"], b["updates"], b["opt_state"] = n * 4, n * 4, 2 * n * 4
-        b["params"] += n * 4
+    b = _state_bytes(config, mode, per_device, param_dtype, opt_dtype, lora_rank, backend, notes)
     kv_c = _nbytes(cache_dtype(config.replace(compute_dtype=str(jnp.dtype(compute_dtype))), backend))   # float32 on a CPU
     b.update(_working_bytes(config, shapes, axes, mode, batch, rows, seq, compute_dtype, kv_c, prompt))
     b["total"] = (b["params"] + b["opt_state"] + b["grads"] + b["gathered"] + b["kv_cache"]   # updates reuse the activations' memory
