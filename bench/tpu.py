@@ -2,8 +2,9 @@
 
     python bench/tpu.py parity [--quick | --variants A,B] [--json F]   # tiny configs of every family: the chip against the CPU
     python bench/tpu.py row PRESET MODE [--seq S] [--json F]   # one real shape, random bf16 weights, in its own process
-    python bench/tpu.py plan PRESET... [--seq S] [--json F]    # `plan` against XLA's compiled memory analysis (abstract)
+    python bench/tpu.py plan PRESET... [--seq S] [--batch B]    # `plan` against XLA's compiled memory analysis (abstract)
     python bench/tpu.py infer-plan PRESET... [--shapes BxPxS,...]   # `plan(prompt=)` against XLA's for generate's prefill
+    python bench/tpu.py loss PRESET... [--seq S] [--layers N]   # the training loss's share of XLA's step, per backend
 
 `parity` runs itself twice: once with `JAX_PLATFORMS=cpu` (the reference, float32), then on the chip, where it
 compares, per family variant: float32 logits at JAX's highest matmul precision, greedy tokens of a padded batch,
@@ -172,12 +173,12 @@ def plan_rows(args):
     for name in args.presets:
         cfg = meshtx.ModelConfig.preset(name).replace(param_dtype="bfloat16", compute_dtype="bfloat16", remat=True)
         for mode, lora, kw in (("lora", 8, dict(lora_rank=8)), ("train", 0, dict(opt_dtype="bfloat16"))):
-            pl = meshtx.plan(cfg, 1, mode=mode, batch=1, seq=args.seq, device=chip, param_dtype="bfloat16", remat=True, **kw)
-            row = dict(row="plan", preset=name, mode=mode, seq=args.seq, plan_gib=pl.total / 2**30,
+            pl = meshtx.plan(cfg, 1, mode=mode, batch=args.batch, seq=args.seq, device=chip, param_dtype="bfloat16", remat=True, **kw)
+            row = dict(row="plan", preset=name, mode=mode, batch=args.batch, seq=args.seq, plan_gib=pl.total / 2**30,
                        plan_parts_gib={k: round(v / 2**30, 3) for k, v in pl.bytes.items() if v}, plan_fits=pl.fits(chip) if chip else None)
             try:
                 t0 = time.perf_counter()
-                xla = step_memory(cfg, 1, args.seq, lora=lora)   # a full step's Adam moments in the weights' dtype (bf16)
+                xla = step_memory(cfg, args.batch, args.seq, lora=lora)   # a full step's Adam moments in the weights' dtype (bf16)
                 emit(dict(row, xla_gib=xla["total"] / 2**30, xla_arguments_gib=xla["arguments"] / 2**30,
                           xla_temporaries_gib=xla["temporaries"] / 2**30, plan_over_xla=round(pl.total / xla["total"], 3),
                           compile_seconds=round(time.perf_counter() - t0, 1)), args.json)
@@ -227,6 +228,57 @@ def infer_plan_rows(args):
                 emit(dict(row, error=f"{type(e).__name__}: {str(e)[:300]}"), args.json)
 
 
+def loss_program(cfg, batch: int, seq: int, head: bool) -> dict:
+    """XLA's memory analysis of the fused loss alone, forward and backward, on `[batch, seq]` final hidden states:
+    the gradient for the hidden states, and with `head` for the head's matrix too (a full step's; LoRA's head is frozen)."""
+    import jax, jax.numpy as jnp
+    from meshtx.model import fused_cross_entropy, LOSS_ROWS
+    dt = jnp.dtype(cfg.compute_dtype)
+    h, w = jax.ShapeDtypeStruct((batch, seq, cfg.d_model), dt), jax.ShapeDtypeStruct((cfg.n_vocab, cfg.d_model), dt)
+    t, b = jax.ShapeDtypeStruct((batch, seq), jnp.int32), jax.ShapeDtypeStruct((cfg.n_vocab,), jnp.float32)
+    weights = jnp.full((batch, seq), 1.0 / (batch * seq), jnp.float32)
+    f = lambda h, w, b, t: fused_cross_entropy(h, w, b, t, weights, rows=LOSS_ROWS)
+    m = jax.jit(jax.grad(f, argnums=(0, 1) if head else 0)).lower(h, w, b, t).compile().memory_analysis()
+    return dict(arguments=m.argument_size_in_bytes, temporaries=m.temp_size_in_bytes, output=m.output_size_in_bytes)
+
+
+def loss_rows(args):
+    """Where the loss's bytes go on this backend: the whole step (`--layers` blocks) at the full vocabulary and at half
+    of it (the difference is the vocabulary's share: loss chunks, head, embedding), beside the plan's, and the loss
+    program alone, in units of one chunk's float32 logits (`plan` counts 2 for LoRA, 3 + the head's gradient for a full step)."""
+    import jax
+    import meshtx
+    from memory import step_memory
+    from meshtx.model import LOSS_ROWS, n_loss_chunks
+    from meshtx.sharding import chip_of
+    chip, backend = chip_of(jax.devices()[0].device_kind), jax.default_backend()
+    G = 2**30
+    for name in args.presets:
+        base = meshtx.ModelConfig.preset(name).replace(param_dtype="bfloat16", compute_dtype="bfloat16", remat=True)
+        if args.layers: base = base.replace(n_layer=args.layers)
+        for mode, lora, kw in (("lora", 8, dict(lora_rank=8)), ("train", 0, dict(opt_dtype="bfloat16"))):
+            row = dict(row="loss", preset=name, mode=mode, seq=args.seq, n_layer=base.n_layer, backend=backend)
+            try:
+                for tag, V in (("full", base.n_vocab), ("half", base.n_vocab // 2)):
+                    cfg = base.replace(n_vocab=V)
+                    pl = meshtx.plan(cfg, 1, mode=mode, batch=1, seq=args.seq, device=chip, backend=None if chip else backend,
+                                     param_dtype="bfloat16", remat=True, **kw)
+                    x = step_memory(cfg, 1, args.seq, lora=lora)
+                    row[tag] = dict(plan_gib=round(pl.total / G, 4), xla_gib=round(x["total"] / G, 4),
+                                    xla_temporaries_gib=round(x["temporaries"] / G, 4),
+                                    plan_activations_gib=round(pl.bytes["activations"] / G, 4))
+                    row[tag]["plan_over_xla"] = round(pl.total / x["total"], 3)
+                row["vocab_share_plan_over_xla"] = round((row["full"]["plan_gib"] - row["half"]["plan_gib"])
+                                                         / (row["full"]["xla_gib"] - row["half"]["xla_gib"]), 3)
+                chunk = args.seq // n_loss_chunks(1, args.seq, LOSS_ROWS) * base.n_vocab * 4
+                lp = loss_program(base, 1, args.seq, mode == "train")
+                row["loss_program_temporaries_in_chunks"] = round(lp["temporaries"] / chunk, 3)
+                row["chunk_gib"] = round(chunk / G, 4)
+            except Exception as e:   # a program too big for the chip must not hide the rest
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            emit(row, args.json)
+
+
 def emit(row: dict, path=None):
     line = json.dumps(row, default=float)
     print(line, flush=True)
@@ -247,8 +299,12 @@ if __name__ == "__main__":
     a.add_argument("--seq", type=int, default=2048); a.add_argument("--batch", type=int, default=16)
     a.add_argument("--new", type=int, default=256); a.add_argument("--prompt", type=int, default=128); a.add_argument("--json")
     a = sub.add_parser("plan"); a.add_argument("presets", nargs="+"); a.add_argument("--seq", type=int, default=2048); a.add_argument("--json")
+    a.add_argument("--batch", type=int, default=1)
     a = sub.add_parser("infer-plan", help="plan(prompt=) against XLA's analysis of generate's prefill")
     a.add_argument("presets", nargs="+"); a.add_argument("--json")
     a.add_argument("--shapes", default="1x128x384,8x128x384,1x1792x2048", help="batch x prompt x cache slots, comma-separated")
+    a = sub.add_parser("loss", help="the training loss's share of the step: XLA against the plan")
+    a.add_argument("presets", nargs="+"); a.add_argument("--seq", type=int, default=2048); a.add_argument("--json")
+    a.add_argument("--layers", type=int, default=2, help="blocks in the step (0: the preset's); the loss does not depend on them")
     args = p.parse_args()
-    {"parity": parity, "row": row, "plan": plan_rows, "infer-plan": infer_plan_rows}[args.cmd](args)
+    {"parity": parity, "row": row, "plan": plan_rows, "infer-plan": infer_plan_rows, "loss": loss_rows}[args.cmd](args)

@@ -270,9 +270,10 @@ def _rows_per_device(mode: str, batch: int, shards: int, notes: list) -> int:
 
 # %% ../nbs/03_sharding.ipynb #5fe96906
 def _working_bytes(config: ModelConfig, shapes: dict, axes: dict, mode: str, batch: int, rows: int, seq: int,
-                   compute_dtype, kv_c: int, prompt: int | None = None) -> dict:
+                   compute_dtype, kv_c: int, prompt: int | None = None, backend: str = "cpu") -> dict:
     """Per device: FSDP's gathered weights, the activations (with and without remat) and the KV cache. With `prompt`
-    (inference), only `prompt` of the `seq` cache slots are computed, and only the last position's logits kept."""
+    (inference), only `prompt` of the `seq` cache slots are computed, and only the last position's logits kept.
+    Training's loss is counted as `backend`'s XLA holds it (a GPU's, not yet measured, as a CPU's: the larger)."""
     # activations, per device: tokens are split over dp x fsdp (when they divide), heads / MLP units / vocabulary over mp
     w = {"gathered": 0, "activations": 0, "activations_no_remat": 0, "kv_cache": 0}
     c, D, L, V = _nbytes(compute_dtype), config.d_model, config.n_layer, config.n_vocab
@@ -290,12 +291,15 @@ def _working_bytes(config: ModelConfig, shapes: dict, axes: dict, mode: str, bat
         # a prompt's new keys and values wait for the one cache write (computed, and converted where the cache's dtype differs)
         w["activations"] = w["activations_no_remat"] = int(layer + logits + kv * new * (kv_c + (c if c != kv_c else 0)))
         w["kv_cache"] = kv * seq * kv_c
-    else:   # the fused loss holds a chunk's float32 logits and exponentials, and, training the head, the logits' gradient
-        # and the head's gradient sum (XLA's buffers, measured: a frozen head's logit gradient reuses a buffer)
-        chunk = logits / n_loss_chunks(batch, seq, LOSS_ROWS * shards)
-        loss = 3 * chunk + D * V / mpn * 4 if mode == "train" else 2 * chunk
+    else:   # the fused loss: a chunk of float32 logits at a time and, training the head, the head's float32 gradient sum
+        chunk, head = logits / n_loss_chunks(batch, seq, LOSS_ROWS * shards), D * V / mpn * 4 * (mode == "train")
+        if backend == "tpu":   # XLA:TPU (measured): one chunk in flight, freed before the blocks' backward begins
+            loss, late = chunk + head, max(layer, chunk) + head
+        else:   # XLA:CPU (measured): a chunk's logits and exponentials, and, training the head, the logits' gradient,
+            loss = (3 if mode == "train" else 2) * chunk + head   # beside the blocks' backward (a frozen head's logit
+            late = layer + loss                                   # gradient reuses a buffer)
         w["activations_no_remat"] = int(L * layer + loss)
-        w["activations"] = int(L * tok * c * D + layer + loss)
+        w["activations"] = int(L * tok * c * D + late)
     return w
 
 # %% ../nbs/03_sharding.ipynb #83bd3873
@@ -330,6 +334,8 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     if backend == "cpu" and mode != "train":   # what the numbers below assume there
         notes.append("on a CPU: the " + ("frozen " if mode == "lora" else "") + "blocks' weights are read in place, one "
                      "layer at a time (no float32 copies)" + ("; the KV cache is float32" if mode == "infer" else ""))
+    if backend == "tpu" and mode != "infer":
+        notes.append("on a TPU: the loss's logits are computed a chunk at a time and freed before the blocks' backward")
     seq = seq or config.n_ctx
     if seq > config.n_ctx: raise ValueError(f"seq={seq} is longer than the model's context n_ctx={config.n_ctx}")
     if batch < 1 or seq < 1: raise ValueError(f"batch={batch} and seq={seq} must be at least 1")
@@ -352,7 +358,7 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
                    for m, ps in shapes.items() for p, x in ps.items())
     b = _state_bytes(config, mode, per_device, param_dtype, opt_dtype, lora_rank, backend, notes)
     kv_c = _nbytes(cache_dtype(config.replace(compute_dtype=str(jnp.dtype(compute_dtype))), backend))   # float32 on a CPU
-    b.update(_working_bytes(config, shapes, axes, mode, batch, rows, seq, compute_dtype, kv_c, prompt))
+    b.update(_working_bytes(config, shapes, axes, mode, batch, rows, seq, compute_dtype, kv_c, prompt, backend))
     b["total"] = (b["params"] + b["opt_state"] + b["grads"] + b["gathered"] + b["kv_cache"]   # updates reuse the activations' memory
                   + max(b["updates"], b["activations"] if remat else b["activations_no_remat"]))
     kv_per_token = config.n_layer * 2 * config.n_kv_head * config.d_head * kv_c
