@@ -4,6 +4,7 @@
 #   there:  run(command="bash bench/tpu.sh", carry=[".whl-tpu"], timeout_s=600)
 #           run(command="PART=2 bash bench/tpu.sh", carry=[".whl-tpu"], timeout_s=600)   # the second half
 #           PART=3: follow-ups (batch 8 of GPT-J-6B, the plan's parts beside XLA's); PART=4: plan(prompt=) against XLA
+#           PART=5: the training loss's share of a step (tpu.py loss) and `plan` against XLA at a second shape (4 × 512)
 # Each step has its own time limit so one slow step cannot eat the others. One program at a time holds the chip.
 set -uo pipefail
 cd "$(dirname "$0")"
@@ -35,6 +36,11 @@ elif [ "${PART}" = 3 ]; then
 elif [ "${PART}" = 4 ]; then
   # `plan(prompt=)` against XLA's analysis of generate's prefill on the chip (on a CPU it was 1.00-1.12; never measured here)
   step 300 infer-plan gptj-6b llama-3.2-1b qwen2.5-0.5b pythia-1.4b --shapes 1x128x384,8x128x384,1x1792x2048
+elif [ "${PART}" = 5 ]; then
+  # how XLA:TPU holds the fused loss (a step at the full and half vocabulary; the loss alone), which the plan counts per
+  # backend; then the plan's training steps at 4 × 512, a shape the calibration (1 × 2048) did not use
+  step 300 loss qwen2.5-0.5b llama-3.2-1b pythia-1.4b qwen2.5-1.5b gptj-6b --seq 2048
+  step 250 plan qwen2.5-0.5b llama-3.2-1b pythia-1.4b qwen2.5-1.5b llama-3.2-3b gptj-6b --seq 512 --batch 4
 else
   # every family on the chip against the CPU (compiling tiny programs is slow on a TPU: about 40 s a variant)
   step 330 parity --quick
