@@ -7,8 +7,12 @@ from pathlib import Path
 # 8 simulated CPU devices (before JAX starts), so the sharding tests can build every mesh
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-# the CLI enables JAX's persistent compilation cache; keep the tests' cache out of the user's home
+# the CLI enables JAX's persistent compilation cache; keep the tests' cache out of the user's home. The test processes
+# use it too (tools/test.sh points the notebooks' at the same directory): many tests compile the same programs.
 os.environ.setdefault("MESHTX_CACHE_DIR", tempfile.mkdtemp(prefix="meshtx-test-cache-"))
+if os.environ["MESHTX_CACHE_DIR"].lower() != "off":
+    from meshtx.lm import enable_compilation_cache
+    enable_compilation_cache(os.environ["MESHTX_CACHE_DIR"])
 import numpy as np
 import pytest
 

@@ -25,8 +25,17 @@ for f in meshtx nbs README.md; do
   fi
 done
 
+# one cache of compiled XLA programs for the whole run, fresh each run (MESHTX_CACHE_DIR=off: none): the notebooks, the
+# tests and the CLI's processes compile many of the same programs. tests/conftest.py turns it on in the test processes,
+# the CLI in its own; here JAX's own variables turn it on in the notebooks' kernels.
+export MESHTX_CACHE_DIR="${MESHTX_CACHE_DIR:-$tmp/xla}"
+jax_cache=()
+if [ "$MESHTX_CACHE_DIR" != off ]; then
+  jax_cache=(JAX_COMPILATION_CACHE_DIR="$MESHTX_CACHE_DIR" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0)
+fi
+
 echo "== notebook lessons (nbdev-test) [at ${SECONDS}s]"
-nbdev-test --n-workers 2
+env "${jax_cache[@]}" nbdev-test --n-workers 2
 
 echo "== system tests (pytest): on both cores (pytest-xdist, a file per worker), then the serial ones alone [at ${SECONDS}s]"
 python -m pytest tests -q -n 2 --dist loadfile -m "not serial" --durations=30
