@@ -49,7 +49,7 @@ def test_tpu_script_runs_on_the_cpu(tmp_path):
     processes), each kind of row, and the plan rows all finish and write their JSON lines. No timing is asserted."""
     import json
     out, env = tmp_path / "rows.jsonl", {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    runs = [["parity", "--variants", "qwen2 window on the last layer"], ["row", "tiny", "infer", "--prompt", "16", "--new", "8", "--batch", "2"],
+    runs = [["parity", "--quick", "--variants", "qwen2 window on the last layer"], ["row", "tiny", "infer", "--prompt", "16", "--new", "8", "--batch", "2"],
             ["row", "tiny", "lora", "--seq", "32"], ["row", "tiny", "train", "--seq", "32"], ["plan", "tiny", "--seq", "16", "--batch", "2"],
             ["infer-plan", "tiny", "--shapes", "2x8x32"], ["loss", "tiny", "--seq", "32"]]
     for args in runs:

@@ -38,7 +38,7 @@ echo "== notebook lessons (nbdev-test) [at ${SECONDS}s]"
 env "${jax_cache[@]}" nbdev-test --n-workers 2
 
 echo "== system tests (pytest): on both cores (pytest-xdist, a file per worker), then the serial ones alone [at ${SECONDS}s]"
-python -m pytest tests -q -n 2 --dist loadfile -m "not serial" --durations=30
+python -m pytest tests -q -n 2 --dist loadfile -m "not serial" --durations=50
 python -m pytest tests -q -m serial --durations=10
 
 echo "== widgets again under ipywidgets 7.7.1 (Colab's version) [at ${SECONDS}s]"
