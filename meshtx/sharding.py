@@ -293,8 +293,18 @@ def _working_bytes(config: ModelConfig, shapes: dict, axes: dict, mode: str, bat
         w["kv_cache"] = kv * seq * kv_c
     else:   # the fused loss: a chunk of float32 logits at a time and, training the head, the head's float32 gradient sum
         chunk, head = logits / n_loss_chunks(batch, seq, LOSS_ROWS * shards), D * V / mpn * 4 * (mode == "train")
-        if backend == "tpu":   # XLA:TPU (measured): one chunk in flight, freed before the blocks' backward begins
-            loss, late = chunk + head, max(layer, chunk) + head
+        if backend == "tpu":   # XLA:TPU (measured): one chunk in flight, freed before the blocks' backward begins.
+            # The head's float32 gradient: on one device, none at one chunk (it goes straight into the bf16 weights) and
+            # two at more (the scan's sum, in and out); over dp x fsdp, one (a whole head's, then reduced), lasting
+            # into the blocks' backward. That backward also holds, with mp > 1, about the saved residuals again
+            # (replicated [tokens, d_model] buffers and their all-reduces) and, with fsdp > 1 in a full step, a whole
+            # block's float32 gradient before its reduce-scatter (as many bytes as `gathered`).
+            many, reduced = n_loss_chunks(batch, seq, LOSS_ROWS * shards) > 1, shards > 1
+            heads = 1 if reduced else 2 * many
+            late = (max(layer, chunk) + head * min(heads, 1) + L * tok * c * D * (mpn > 1)
+                    + w["gathered"] * (mode == "train"))
+            loss = chunk + head * heads
+            late = max(late, loss)   # the loss's peak, or the blocks' backward
         else:   # XLA:CPU (measured): a chunk's logits and exponentials, and, training the head, the logits' gradient,
             loss = (3 if mode == "train" else 2) * chunk + head   # beside the blocks' backward (a frozen head's logit
             late = layer + loss                                   # gradient reuses a buffer)
@@ -313,6 +323,10 @@ def _state_bytes(config: ModelConfig, mode: str, per_device, param_dtype, opt_dt
             b["updates"] = per_device("float32")
             notes.append(f"on a CPU: the optimizer's update of {jnp.dtype(param_dtype).name} weights is computed "
                          "and held in float32")
+        if backend == "tpu" and _nbytes(param_dtype) < 4:   # XLA:TPU (measured) fuses it into the weights' write
+            b["updates"] = 0
+            notes.append(f"on a TPU: the optimizer's update of {jnp.dtype(param_dtype).name} weights is fused into "
+                         "their write (no buffer of its own)")
     elif mode == "lora":   # float32 adapters beside the frozen base: their gradients, update and AdamW's two moments
         n = lora_params(config, lora_rank)
         b["grads"], b["updates"], b["opt_state"] = n * 4, n * 4, 2 * n * 4
@@ -347,6 +361,9 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
         if asked: raise ValueError(f"plan got a mesh of {axes} and also {asked}: give a mesh or axis sizes, not both")
     else: axes = choose_axes(int(mesh_or_devices), dp, fsdp, mp, config, mode)
     grid = _Grid(axes)
+    if backend == "tpu" and mode != "infer" and axes["mp"] > 1:
+        notes.append(f"on a TPU with mp={axes['mp']}: the blocks' backward holds replicated [tokens, d_model] buffers, "
+                     "counted as the saved residuals again (measured); fsdp uses less")
     remat = config.remat if remat is None else bool(remat)
     shards = axes["dp"] * axes["fsdp"]
     rows = _rows_per_device(mode, batch, shards, notes)

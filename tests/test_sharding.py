@@ -290,7 +290,7 @@ def test_plan_of_a_bf16_full_step_on_cpu_matches_xla(family):
     assert 0.9 * xla <= p.total <= 1.1 * xla, (p.total, xla, p.bytes)
     assert p.bytes["updates"] == 2 * p.bytes["params"] and any("float32" in n for n in p.notes)
     tpu = plan(cfg, 1, backend="tpu", **kw)
-    assert tpu.bytes["updates"] == tpu.bytes["params"] and tpu.total < p.total
+    assert tpu.bytes["updates"] == 0 and any("fused" in n for n in tpu.notes) and tpu.total < p.total   # measured there
 
 
 # XLA's compiled memory analysis of one training step on a TPU v5e chip (GiB; bench/tpu.py plan, twenty-second session,
@@ -307,18 +307,73 @@ TPU_V5E_STEPS = [("qwen2.5-0.5b", "lora", 1, 2048, 1.453), ("qwen2.5-0.5b", "tra
                  ("llama-3.2-3b", "lora", 4, 512, 7.348), ("gptj-6b", "lora", 4, 512, 13.117)]
 
 
+# Full steps (bf16 Adam moments, or float32 weights and moments) at more shapes and meshes (twenty-third and -fourth
+# sessions): one chip, and Kaggle's v5e-8 compiled for its topology without the chips (jax.experimental.topologies).
+# (preset, layers (None: the preset's), weights' dtype, batch, seq, dp, fsdp, mp, XLA GiB per chip)
+TPU_V5E_FULL_STEPS = [
+    ("llama-3.2-1b", None, "bfloat16", 1, 256, 1, 1, 1, 9.370), ("pythia-1.4b", None, "bfloat16", 1, 256, 1, 1, 1, 10.882),
+    ("qwen2.5-0.5b", None, "bfloat16", 1, 256, 1, 1, 1, 3.925), ("llama-3.2-1b", None, "bfloat16", 1, 1024, 1, 1, 1, 11.312),
+    ("pythia-1.4b", None, "bfloat16", 1, 1024, 1, 1, 1, 10.953), ("qwen2.5-0.5b", None, "bfloat16", 1, 1024, 1, 1, 1, 4.799),
+    ("llama-3.2-1b", None, "bfloat16", 1, 4096, 1, 1, 1, 14.016), ("qwen2.5-0.5b", None, "bfloat16", 1, 4096, 1, 1, 1, 5.810),
+    ("llama-3.2-1b", None, "bfloat16", 8, 512, 1, 1, 1, 11.707), ("pythia-1.4b", None, "bfloat16", 8, 512, 1, 1, 1, 11.736),
+    ("qwen2.5-0.5b", None, "bfloat16", 8, 512, 1, 1, 1, 5.042), ("llama-3.2-1b", None, "bfloat16", 4, 2048, 1, 1, 1, 15.030),
+    ("pythia-1.4b", None, "bfloat16", 4, 2048, 1, 1, 1, 14.436), ("qwen2.5-0.5b", None, "bfloat16", 4, 2048, 1, 1, 1, 6.351),
+    ("qwen2.5-0.5b", None, "bfloat16", 2, 256, 1, 1, 1, 3.825), ("qwen2.5-0.5b", None, "bfloat16", 2, 1024, 1, 1, 1, 4.880),
+    ("llama-3.2-1b", None, "bfloat16", 1, 512, 1, 1, 1, 9.527), ("llama-3.2-1b", None, "bfloat16", 2, 1024, 1, 1, 1, 11.455),
+    ("pythia-1.4b", None, "bfloat16", 2, 256, 1, 1, 1, 11.029), ("pythia-1.4b", None, "bfloat16", 2, 1024, 1, 1, 1, 11.082),
+    ("qwen2.5-1.5b", None, "bfloat16", 1, 512, 1, 1, 1, 11.884), ("qwen2.5-1.5b", None, "bfloat16", 2, 1024, 1, 1, 1, 13.601),
+    ("gptj-6b", 4, "bfloat16", 1, 256, 1, 1, 1, 9.537), ("gptj-6b", 4, "bfloat16", 1, 2048, 1, 1, 1, 10.185),
+    ("qwen2.5-0.5b", None, "float32", 1, 256, 1, 1, 1, 8.886), ("qwen2.5-0.5b", None, "float32", 1, 2048, 1, 1, 1, 9.064),
+    ("llama-3.2-1b", 8, "float32", 1, 256, 1, 1, 1, 13.546), ("llama-3.2-1b", 8, "float32", 1, 2048, 1, 1, 1, 14.409),
+    ("pythia-1.4b", 8, "float32", 1, 256, 1, 1, 1, 9.894), ("pythia-1.4b", 8, "float32", 1, 2048, 1, 1, 1, 10.084),
+    ("gptj-6b", 1, "float32", 1, 256, 1, 1, 1, 10.079), ("gptj-6b", 1, "float32", 1, 2048, 1, 1, 1, 10.695),
+    ("qwen2.5-1.5b", 10, "float32", 1, 256, 1, 1, 1, 12.815), ("qwen2.5-1.5b", 10, "float32", 1, 2048, 1, 1, 1, 12.951),
+    ("gptj-6b", None, "bfloat16", 8, 2048, 1, 8, 1, 8.137), ("gptj-6b", None, "float32", 8, 2048, 1, 8, 1, 15.026),
+    ("gptj-6b", None, "bfloat16", 8, 512, 1, 8, 1, 7.714), ("gptj-6b", None, "bfloat16", 8, 1024, 1, 8, 1, 7.754),
+    ("gptj-6b", None, "float32", 8, 512, 1, 8, 1, 14.023), ("gptj-6b", None, "bfloat16", 8, 2048, 1, 4, 2, 9.043),
+    ("gptj-6b", None, "bfloat16", 8, 512, 1, 4, 2, 6.972), ("gptj-6b", None, "bfloat16", 8, 2048, 1, 2, 4, 9.758),
+    ("gptj-6b", None, "bfloat16", 8, 2048, 1, 1, 8, 13.526), ("llama-3.2-1b", None, "bfloat16", 8, 2048, 1, 8, 1, 3.245),
+    ("llama-3.2-1b", None, "float32", 8, 2048, 1, 8, 1, 4.396), ("llama-3.2-1b", None, "float32", 8, 256, 1, 8, 1, 3.707),
+    ("llama-3.2-1b", None, "bfloat16", 8, 256, 1, 8, 1, 2.494), ("llama-3.2-1b", None, "bfloat16", 8, 2048, 8, 1, 1, 10.954),
+    ("llama-3.2-1b", None, "bfloat16", 8, 2048, 1, 4, 2, 2.549), ("llama-3.2-1b", None, "bfloat16", 8, 512, 1, 4, 2, 2.116),
+    ("llama-3.2-1b", None, "bfloat16", 8, 2048, 1, 1, 8, 4.064), ("qwen2.5-0.5b", None, "bfloat16", 8, 256, 1, 8, 1, 1.283),
+    ("pythia-1.4b", None, "bfloat16", 8, 256, 1, 8, 1, 1.968), ("pythia-1.4b", None, "bfloat16", 8, 2048, 1, 4, 2, 2.643),
+    ("qwen2.5-0.5b", None, "bfloat16", 1, 512, 1, 1, 1, 3.798), ("llama-3.2-1b", None, "bfloat16", 2, 256, 1, 1, 1, 9.528),
+    ("pythia-1.4b", None, "bfloat16", 1, 512, 1, 1, 1, 11.028), ("qwen2.5-1.5b", None, "bfloat16", 2, 256, 1, 1, 1, 11.887),
+    ("qwen2.5-0.5b", None, "float32", 2, 1024, 1, 1, 1, 8.891),
+    # measured after the rules were chosen (bench/tpu.sh PART=6)
+    ("llama-3.2-3b", 12, "bfloat16", 1, 1024, 1, 1, 1, 15.028), ("mistral-7b", 4, "bfloat16", 1, 512, 1, 1, 1, 9.164),
+    ("qwen2.5-7b", 3, "bfloat16", 2, 1024, 1, 1, 1, 16.482), ("qwen2.5-1.5b", None, "bfloat16", 8, 2048, 1, 4, 2, 2.814),
+    ("llama-3.2-3b", None, "bfloat16", 8, 2048, 1, 4, 2, 5.335), ("llama-3.2-3b", None, "bfloat16", 8, 1024, 1, 8, 1, 5.608),
+    ("gptj-6b", None, "bfloat16", 16, 2048, 1, 8, 1, 10.318), ("mistral-7b", None, "bfloat16", 8, 2048, 1, 8, 1, 10.490),
+    ("pythia-6.9b", None, "bfloat16", 8, 1024, 1, 2, 4, 9.123), ("llama-3.1-8b", None, "bfloat16", 8, 512, 1, 8, 1, 11.498),
+    ("qwen2.5-7b", None, "bfloat16", 8, 256, 1, 8, 1, 11.455), ("llama-3.2-3b", None, "bfloat16", 8, 4096, 1, 2, 4, 11.810)]
+
+
 def test_plan_of_training_steps_on_a_tpu_matches_the_chips_xla():
     """On the chip, XLA computes the loss one chunk of logits at a time and frees it before the blocks' backward, so
     where the vocabulary is large beside the model (Qwen2.5-0.5B: 151,936 × 896) counting the CPU's buffers over-counted
-    a LoRA step by 42 %. The plan for a TPU stays within 10 % of the chip's own analysis, never under by more than the 8 %
-    `fits` keeps free; Pythia's full step over-counts (its update is fused into the weights' write there)."""
+    a LoRA step by 42 %. It also fuses the update of bf16 weights into their write (a full step at one loss chunk holds
+    the gradients and little more: counting an update over-counted it by 17-23 %), and under tensor parallelism the
+    blocks' backward holds many replicated [tokens, d_model] buffers (counted as the residuals again: without them GPT-J-6B
+    with mp=8 was 0.75 of XLA's figure), and under FSDP a block's float32 gradient before its reduce-scatter. The plan
+    for a TPU stays within 10 % of the chip's own analysis at 82 of these 91 points, one chip or eight (10 of the 12
+    measured after the rules were chosen), and is never under by more than the 8 % `fits` keeps free; the others
+    over-count (the safe side)."""
     ratios = {}
     for name, mode, batch, seq, xla_gib in TPU_V5E_STEPS:
         cfg = ModelConfig.preset(name).replace(param_dtype="bfloat16", compute_dtype="bfloat16", remat=True)
         kw = dict(lora_rank=8) if mode == "lora" else dict(opt_dtype="bfloat16")
         p = plan(cfg, 1, mode=mode, batch=batch, seq=seq, device="tpu-v5e", param_dtype="bfloat16", remat=True, **kw)
-        ratios[name, mode, batch, seq] = p.total / 2**30 / xla_gib
+        ratios[name, mode, None, "bfloat16", batch, seq, 1, 1, 1] = p.total / 2**30 / xla_gib
         if mode == "lora": assert any("a chunk at a time" in n for n in p.notes)
-    assert all(0.92 <= r <= 1.2 for r in ratios.values()), ratios
-    within = {k: r for k, r in ratios.items() if abs(r - 1) <= 0.1}
-    assert set(ratios) - set(within) <= {("pythia-1.4b", "train", 1, 2048), ("pythia-1.4b", "train", 4, 512)}, ratios
+    for name, layers, dtype, batch, seq, dp, fsdp, mp, xla_gib in TPU_V5E_FULL_STEPS:
+        cfg = ModelConfig.preset(name).replace(param_dtype=dtype, compute_dtype="bfloat16", remat=True)
+        cfg = cfg.replace(n_layer=layers) if layers else cfg
+        p = plan(cfg, dp * fsdp * mp, mode="train", batch=batch, seq=seq, device="tpu-v5e", param_dtype=dtype,
+                 opt_dtype=dtype, remat=True, dp=dp, fsdp=fsdp, mp=mp)
+        ratios[name, "train", layers, dtype, batch, seq, dp, fsdp, mp] = p.total / 2**30 / xla_gib
+        assert (p.bytes["updates"] == 0) == (dtype == "bfloat16"), p.bytes
+    assert len(ratios) == 91 and all(0.92 <= r <= 1.3 for r in ratios.values()), ratios
+    outside = {k: round(r, 3) for k, r in ratios.items() if abs(r - 1) > 0.1}
+    assert len(outside) <= 9 and all(r > 1 for r in outside.values()), outside
