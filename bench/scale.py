@@ -974,7 +974,7 @@ def parse(argv):
                         "exceeds this many GB (default 90 %% of RAM)")
     p.add_argument("--train-budget", type=float, default=None,
                    help="GB the full fine-tune may plan for (default: --max-rss minus 10 %%)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repetitions (the fastest counts; default 3)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repetitions (the fastest counts; default 3; 1: also one load round and one bandwidth probe)")
     p.add_argument("--new", type=int, default=64, help="new tokens in the decode-speed rows (default 64)")
     p.add_argument("--json", help="append the table's rows (and the processes) as JSON lines to this file")
     p.add_argument("--keep", action="store_true", help="keep the run's work directory (logs, converted checkpoints)")
@@ -1028,7 +1028,7 @@ def main(argv=None):
         for row in rows:
             rs = {}
             if row == "load":
-                for _ in range(LOAD_ROUNDS):   # alternating, each from the same page-cache state; the fastest counts
+                for _ in range(min(LOAD_ROUNDS, args.repeats)):   # alternating, each from the same page-cache state; the fastest counts
                     for side in (["hf"] if hf else []) + ["meshtx"]:
                         same_start(st)
                         r = runner.child(row, side, "load", "--ckpt", str(st))
@@ -1072,7 +1072,7 @@ def main(argv=None):
                     rs["hf"] = runner.child(row, "hf", "load", "--ckpt", str(bn))
                 same_start(bn)
                 rs["meshtx"] = runner.child(row, "meshtx", "load", "--ckpt", str(bn), "--no-torch")
-            if row == "decode1" and rs["meshtx"].get("ok"):   # a second probe: a limit is the best the machine reads
+            if row == "decode1" and rs["meshtx"].get("ok") and args.repeats > 1:   # a second probe: a limit is the best the machine reads
                 r = runner.child("setup", "-", "bandwidth")
                 ctx["bandwidth"] = max(filter(None, [ctx.get("bandwidth"), r.get("bandwidth")]), default=None)
             figs += summarize(row, rs, W, s, ctx)

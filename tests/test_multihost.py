@@ -3,8 +3,9 @@ import json, os, socket, subprocess, sys, time
 from pathlib import Path
 import pytest
 
-pytestmark = [pytest.mark.compat,   # also run under jax==0.7.2
-              pytest.mark.serial]  # processes that meet in collectives, on deadlines: not beside other tests
+# processes that meet in collectives, on deadlines: not beside other tests. Those marked `compat` also run under
+# jax==0.7.2 (joining, training like one process, failing fast); the others only under the newest JAX (CI's time)
+pytestmark = pytest.mark.serial
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
 
@@ -43,6 +44,7 @@ def run_job(nproc, out, deadline=60, env_extra=None, worker=WORKER, args=()):
 
 
 @pytest.mark.slow
+@pytest.mark.compat
 def test_two_processes_train_like_one(tmp_path):
     one = run_job(1, tmp_path / "one.json")
     two = run_job(2, tmp_path / "two.json")
@@ -52,6 +54,7 @@ def test_two_processes_train_like_one(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.compat
 def test_a_dead_process_fails_the_job_fast(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="process 1 of 2 exited with 3"):
@@ -124,6 +127,7 @@ def run_cli(nproc, argv, cwd, deadline=300, env_extra=None):
 
 
 @pytest.mark.slow
+@pytest.mark.compat
 def test_the_cli_joins_a_job(tmp_path):
     "With MESHTX_COORDINATOR / _NUM_PROCESSES / _PROCESS_ID set, each `meshtx` process is one process of the job."
     outs = run_cli(2, ["info"], tmp_path, deadline=120)
