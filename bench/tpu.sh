@@ -46,7 +46,7 @@ elif [ "${PART}" = 5 ]; then
 elif [ "${PART}" = 6 ]; then
   echo "## $(date +%T) tpu_steps.py" | tee -a "$LOG"
   timeout 100 python3 tpu_steps.py list '[["llama-3.2-3b", 1, 1024, "bfloat16", 12], ["mistral-7b", 1, 512, "bfloat16", 4], ["qwen2.5-7b", 2, 1024, "bfloat16", 3]]' 2>&1 | grep -E "^ROW|Error" | tee -a "$LOG"
-  timeout 300 python3 tpu_steps.py aot '{"topology_name": "v5e:2x4"}' '[["qwen2.5-1.5b", 8, 2048, "bfloat16", 4, 2, null], ["llama-3.2-3b", 8, 2048, "bfloat16", 4, 2, null], ["llama-3.2-3b", 8, 1024, "bfloat16", 8, 1, null], ["gptj-6b", 16, 2048, "bfloat16", 8, 1, null], ["mistral-7b", 8, 2048, "bfloat16", 8, 1, null], ["qwen2.5-1.5b", 8, 2048, "bfloat16", 1, 8, null], ["pythia-6.9b", 8, 1024, "bfloat16", 2, 4, null], ["llama-3.1-8b", 8, 512, "bfloat16", 8, 1, null], ["qwen2.5-7b", 8, 256, "bfloat16", 8, 1, null], ["llama-3.2-3b", 8, 4096, "bfloat16", 2, 4, null]]' 2>&1 | grep -E "^ROW|Error" | tee -a "$LOG"
+  timeout 300 python3 tpu_steps.py aot '{"topology_name": "v5e:2x4"}' '[["qwen2.5-1.5b", 8, 2048, "bfloat16", 4, 2, null], ["llama-3.2-3b", 8, 2048, "bfloat16", 4, 2, null], ["llama-3.2-3b", 8, 1024, "bfloat16", 8, 1, null], ["gptj-6b", 16, 2048, "bfloat16", 8, 1, null], ["mistral-7b", 8, 2048, "bfloat16", 8, 1, null], ["pythia-6.9b", 8, 1024, "bfloat16", 2, 4, null], ["llama-3.1-8b", 8, 512, "bfloat16", 8, 1, null], ["qwen2.5-7b", 8, 256, "bfloat16", 8, 1, null], ["llama-3.2-3b", 8, 4096, "bfloat16", 2, 4, null]]' 2>&1 | grep -E "^ROW|Error" | tee -a "$LOG"
 else
   # every family on the chip against the CPU (compiling tiny programs is slow on a TPU: about 40 s a variant)
   step 330 parity --quick

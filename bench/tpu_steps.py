@@ -33,9 +33,10 @@ def aot(name, B, T, dtype, fsdp=8, mp=1, topo_kw=None, layers=None):
     try:
         topo = topologies.get_topology_desc(platform="tpu", **topo_kw)
         devs = topo.devices
-        mesh = make_mesh(dp=len(devs) // (fsdp * mp), fsdp=fsdp, mp=mp, devices=devs)
         cfg = meshtx.ModelConfig.preset(name).replace(param_dtype=dtype, compute_dtype="bfloat16", remat=True)
         if layers: cfg = cfg.replace(n_layer=layers)
+        # a mesh meshtx itself would build (with config=: an mp that does not divide the heads is refused, as in `plan`)
+        mesh = make_mesh(dp=len(devs) // (fsdp * mp), fsdp=fsdp, mp=mp, devices=devs, config=cfg, mode="train")
         shapes = param_shapes(cfg)
         p_sh = param_shardings(cfg, mesh)
         opt = make_optimizer(mu_dtype=dtype)
