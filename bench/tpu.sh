@@ -6,7 +6,7 @@
 #           PART=3: follow-ups (batch 8 of GPT-J-6B, the plan's parts beside XLA's); PART=4: plan(prompt=) against XLA
 #           PART=5: the training loss's share of a step (tpu.py loss) and `plan` against XLA at a second shape (4 × 512)
 #           PART=6: full steps at shapes and meshes the plan's TPU rules were not chosen on (tpu_steps.py; v5e-8 compiled
-#           for its topology from one chip)
+#           for its topology from one chip); PART=7: LoRA steps (rank 8) on the v5e-8 at every mesh shape (about 7 minutes)
 # Each step has its own time limit so one slow step cannot eat the others. One program at a time holds the chip.
 set -uo pipefail
 cd "$(dirname "$0")"
@@ -47,6 +47,10 @@ elif [ "${PART}" = 6 ]; then
   echo "## $(date +%T) tpu_steps.py" | tee -a "$LOG"
   timeout 100 python3 tpu_steps.py list '[["llama-3.2-3b", 1, 1024, "bfloat16", 12], ["mistral-7b", 1, 512, "bfloat16", 4], ["qwen2.5-7b", 2, 1024, "bfloat16", 3]]' 2>&1 | grep -E "^ROW|Error" | tee -a "$LOG"
   timeout 300 python3 tpu_steps.py aot '{"topology_name": "v5e:2x4"}' '[["qwen2.5-1.5b", 8, 2048, "bfloat16", 4, 2, null], ["llama-3.2-3b", 8, 2048, "bfloat16", 4, 2, null], ["llama-3.2-3b", 8, 1024, "bfloat16", 8, 1, null], ["gptj-6b", 16, 2048, "bfloat16", 8, 1, null], ["mistral-7b", 8, 2048, "bfloat16", 8, 1, null], ["pythia-6.9b", 8, 1024, "bfloat16", 2, 4, null], ["llama-3.1-8b", 8, 512, "bfloat16", 8, 1, null], ["qwen2.5-7b", 8, 256, "bfloat16", 8, 1, null], ["llama-3.2-3b", 8, 4096, "bfloat16", 2, 4, null]]' 2>&1 | grep -E "^ROW|Error" | tee -a "$LOG"
+elif [ "${PART}" = 7 ]; then
+  echo "## $(date +%T) tpu_steps.py aot, LoRA" | tee -a "$LOG"
+  timeout 280 python3 tpu_steps.py aot '{"topology_name": "v5e:2x4"}' '[["gptj-6b",8,2048,"bfloat16",8,1,null,8],["gptj-6b",8,2048,"bfloat16",4,2,null,8],["gptj-6b",8,2048,"bfloat16",2,4,null,8],["gptj-6b",8,2048,"bfloat16",1,8,null,8],["gptj-6b",8,2048,"bfloat16",1,1,null,8],["llama-3.2-1b",8,2048,"bfloat16",8,1,null,8],["llama-3.2-1b",8,2048,"bfloat16",4,2,null,8],["llama-3.2-1b",8,2048,"bfloat16",1,8,null,8],["llama-3.2-1b",8,2048,"bfloat16",1,1,null,8],["qwen2.5-0.5b",8,2048,"bfloat16",4,2,null,8]]' 2>&1 | grep -E "^ROW|Error" | tee -a "$LOG"
+  timeout 280 python3 tpu_steps.py aot '{"topology_name": "v5e:2x4"}' '[["llama-3.1-8b",8,2048,"bfloat16",8,1,null,8],["llama-3.1-8b",8,2048,"bfloat16",4,2,null,8],["llama-3.1-8b",8,2048,"bfloat16",1,8,null,8],["mistral-7b",8,2048,"bfloat16",8,1,null,8],["mistral-7b",8,2048,"bfloat16",1,8,null,8],["qwen2.5-7b",8,2048,"bfloat16",8,1,null,8],["qwen2.5-7b",8,2048,"bfloat16",2,4,null,8],["pythia-6.9b",8,2048,"bfloat16",2,4,null,8],["gptj-6b",16,2048,"bfloat16",4,2,null,8],["llama-3.2-3b",8,4096,"bfloat16",4,2,null,8]]' 2>&1 | grep -E "^ROW|Error" | tee -a "$LOG"
 else
   # every family on the chip against the CPU (compiling tiny programs is slow on a TPU: about 40 s a variant)
   step 330 parity --quick
