@@ -1,4 +1,4 @@
-"""XLA:TPU's memory analysis of full training steps, for `meshtx.plan`'s TPU rules (nothing is allocated):
+"""XLA:TPU's memory analysis of training steps (full, or LoRA given a rank), for `meshtx.plan`'s TPU rules (nothing is allocated):
 
     python tpu_steps.py topo                      # can this JAX compile for a v5e-8 it does not have?
     python tpu_steps.py list '[["llama-3.2-1b", 1, 2048, "bfloat16", null], ...]'   # preset, batch, seq, dtype, layers
@@ -7,7 +7,8 @@
                                                   # an 8th item, a rank, makes it a LoRA step
 
 Each result is a line `ROW {json}` (GiB per chip: XLA's total = arguments + outputs - aliases + temporaries). The
-figures in tests/test_sharding.py's TPU_V5E_FULL_STEPS came from these (bench/RESULTS.md, 2026-12-06)."""
+figures in tests/test_sharding.py's TPU_V5E_FULL_STEPS and TPU_V5E_LORA_MESH_STEPS came from these (bench/RESULTS.md,
+2026-12-06)."""
 import json, sys, time
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
