@@ -16,7 +16,7 @@ import meshtx
 from memory import step_memory
 from meshtx.sharding import plan, make_mesh, param_shardings, opt_state_shardings, batch_sharding
 from meshtx.model import param_shapes, gptj
-from meshtx.train import make_optimizer, make_train_step, TrainState
+from meshtx.train import make_optimizer, make_train_step, TrainState, step_options
 
 def emit(**kw): print("ROW " + json.dumps(kw), flush=True)
 
@@ -30,9 +30,9 @@ def single(name, B, T, dtype="bfloat16", layers=None):
              temps=m["temporaries"] / 2**30, args=m["arguments"] / 2**30, s=round(time.time() - t0, 1))
     except Exception as e: emit(kind="single", name=name, B=B, T=T, dtype=dtype, layers=layers, error=str(e)[:300])
 
-def compiled_step(cfg, devs, B, T, dtype, fsdp, mp, lora=0):
+def compiled_step(cfg, devs, B, T, dtype, fsdp, mp, lora=0, device="tpu-v5e"):
     """XLA's memory analysis (GiB per device: total, temporaries, arguments) of one full (`lora=0`) or LoRA (rank `lora`)
-    training step of `cfg` on `devs`, laid out as the `Trainer` lays it out, and `plan`'s figure for it."""
+    training step of `cfg` on `devs`, laid out as the `Trainer` lays it out, and `plan`'s figure for it on `device`."""
     from meshtx import LoRAConfig
     from meshtx.lora import split_adapters
     mode = "lora" if lora else "train"
@@ -53,11 +53,12 @@ def compiled_step(cfg, devs, B, T, dtype, fsdp, mp, lora=0):
     step = make_train_step(cfg, opt, mesh, lcfg)
     tok_sh = NamedSharding(mesh, P(None, *batch_sharding(mesh, (B, T + 1)).spec))
     st_sh = TrainState(p_sh, o_sh, rep)
-    j = jax.jit(step, in_shardings=(st_sh, tok_sh, f_sh), out_shardings=(st_sh, None), donate_argnums=0)
+    j = jax.jit(step, in_shardings=(st_sh, tok_sh, f_sh), out_shardings=(st_sh, None), donate_argnums=0,
+                compiler_options=step_options())   # as the Trainer compiles it (JAX's backend's options)
     m = j.lower(state, jax.ShapeDtypeStruct((1, B, T + 1), jnp.int32), frozen).compile().memory_analysis()
     tot = m.argument_size_in_bytes + m.output_size_in_bytes - getattr(m, "alias_size_in_bytes", 0) + m.temp_size_in_bytes
     kw = dict(lora_rank=lora) if lora else dict(opt_dtype=dtype)
-    pl = plan(cfg, mesh, mode, B, T, device="tpu-v5e", param_dtype=dtype, remat=True, **kw).total
+    pl = plan(cfg, mesh, mode, B, T, device=device, param_dtype=dtype, remat=True, **kw).total
     return dict(xla=tot / 2**30, temps=m.temp_size_in_bytes / 2**30, args=m.argument_size_in_bytes / 2**30,
                 plan=pl / 2**30, plan_over_xla=pl / tot)
 

@@ -14,10 +14,10 @@ from .config import ModelConfig, family_name
 from .model import param_shapes, KVCache, LOSS_ROWS, n_loss_chunks, cache_dtype
 
 # %% auto #0
-__all__ = ['AXES', 'BATCH', 'PARTITION_RULES', 'ACTIVATION_SPECS', 'GiB', 'MiB', 'CHIPS', 'USABLE', 'choose_axes', 'make_mesh',
-           'fit_spec', 'partition_spec', 'param_specs', 'param_shardings', 'shard_params', 'shard_shape',
-           'activation_hint', 'batch_sharding', 'kv_cache_shardings', 'opt_state_shardings', 'chip_of', 'lora_params',
-           'MemoryPlan', 'plan']
+__all__ = ['AXES', 'BATCH', 'PARTITION_RULES', 'ACTIVATION_SPECS', 'GiB', 'MiB', 'CHIPS', 'USABLE', 'NO_BF16', 'MP_RESIDUALS',
+           'choose_axes', 'make_mesh', 'fit_spec', 'partition_spec', 'param_specs', 'param_shardings', 'shard_params',
+           'shard_shape', 'activation_hint', 'batch_sharding', 'kv_cache_shardings', 'opt_state_shardings', 'chip_of',
+           'lora_params', 'MemoryPlan', 'plan']
 
 # %% ../nbs/03_sharding.ipynb #4eb9d0c2
 AXES = ("dp", "fsdp", "mp")
@@ -181,6 +181,7 @@ CHIPS = {  # accelerator memory per device (GPUs: the total nvidia-smi reports)
     "a100-40gb": 40 * GiB, "a100-80gb": 80 * GiB, "h100": 80 * GiB, "h200": 141 * GiB,
 }
 USABLE = 0.92  # runtimes keep a little for themselves
+NO_BF16 = {"t4", "p100", "v100"}   # GPUs before compute capability 8: no bf16 arithmetic
 
 _KINDS = [("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"), ("v5p", "tpu-v5p"), ("v6", "tpu-v6e"), ("v4", "tpu-v4"),
           ("v3", "tpu-v3"), ("t4", "t4"), ("p100", "p100"), ("v100", "v100"), ("l4", "l4"), ("h200", "h200"),
@@ -269,11 +270,13 @@ def _rows_per_device(mode: str, batch: int, shards: int, notes: list) -> int:
     return rows
 
 # %% ../nbs/03_sharding.ipynb #5fe96906
+MP_RESIDUALS = {"tpu": 1, "gpu": 0.25}   # with mp > 1, the saved residuals again (measured: XLA:TPU, XLA:GPU)
+
 def _working_bytes(config: ModelConfig, shapes: dict, axes: dict, mode: str, batch: int, rows: int, seq: int,
                    compute_dtype, kv_c: int, prompt: int | None = None, backend: str = "cpu") -> dict:
     """Per device: FSDP's gathered weights, the activations (with and without remat) and the KV cache. With `prompt`
     (inference), only `prompt` of the `seq` cache slots are computed, and only the last position's logits kept.
-    Training's loss is counted as `backend`'s XLA holds it (a GPU's, not yet measured, as a CPU's: the larger)."""
+    Training's loss is counted as `backend`'s XLA holds it (measured on each: a GPU's compiled without one)."""
     # activations, per device: tokens are split over dp x fsdp (when they divide), heads / MLP units / vocabulary over mp
     w = {"gathered": 0, "activations": 0, "activations_no_remat": 0, "kv_cache": 0}
     c, D, L, V = _nbytes(compute_dtype), config.d_model, config.n_layer, config.n_vocab
@@ -293,15 +296,15 @@ def _working_bytes(config: ModelConfig, shapes: dict, axes: dict, mode: str, bat
         w["kv_cache"] = kv * seq * kv_c
     else:   # the fused loss: a chunk of float32 logits at a time and, training the head, the head's float32 gradient sum
         chunk, head = logits / n_loss_chunks(batch, seq, LOSS_ROWS * shards), D * V / mpn * 4 * (mode == "train")
-        if backend == "tpu":   # XLA:TPU (measured): one chunk in flight, freed before the blocks' backward begins.
+        if backend in ("tpu", "gpu"):   # XLA:TPU and XLA:GPU: one chunk in flight, freed before the blocks' backward.
             # The head's float32 gradient: on one device, none at one chunk (it goes straight into the bf16 weights) and
             # two at more (the scan's sum, in and out); over dp x fsdp, one (a whole head's, then reduced), lasting
-            # into the blocks' backward. That backward also holds, with mp > 1, about the saved residuals again
-            # (replicated [tokens, d_model] buffers and their all-reduces) and, with fsdp > 1 in a full step, a whole
+            # into the blocks' backward. That backward also holds, with mp > 1, replicated [tokens, d_model] buffers and
+            # their all-reduces (`MP_RESIDUALS` of the saved residuals again) and, with fsdp > 1 in a full step, a whole
             # block's float32 gradient before its reduce-scatter (as many bytes as `gathered`).
             many, reduced = n_loss_chunks(batch, seq, LOSS_ROWS * shards) > 1, shards > 1
             heads = 1 if reduced else 2 * many
-            late = (max(layer, chunk) + head * min(heads, 1) + L * tok * c * D * (mpn > 1)
+            late = (max(layer, chunk) + head * min(heads, 1) + MP_RESIDUALS[backend] * L * tok * c * D * (mpn > 1)
                     + w["gathered"] * (mode == "train"))
             loss = chunk + head * heads
             late = max(late, loss)   # the loss's peak, or the blocks' backward
@@ -323,6 +326,9 @@ def _state_bytes(config: ModelConfig, mode: str, per_device, param_dtype, opt_dt
             b["updates"] = per_device("float32")
             notes.append(f"on a CPU: the optimizer's update of {jnp.dtype(param_dtype).name} weights is computed "
                          "and held in float32")
+        if backend == "gpu":   # XLA:GPU (measured, with `step_options`) fuses it into the weights' write, any dtype
+            b["updates"] = 0
+            notes.append("on a GPU: the optimizer's update is fused into the weights' write (no buffer of its own)")
         if backend == "tpu" and _nbytes(param_dtype) < 4:   # XLA:TPU (measured) fuses it into the weights' write
             b["updates"] = 0
             notes.append(f"on a TPU: the optimizer's update of {jnp.dtype(param_dtype).name} weights is fused into "
@@ -348,8 +354,8 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     if backend == "cpu" and mode != "train":   # what the numbers below assume there
         notes.append("on a CPU: the " + ("frozen " if mode == "lora" else "") + "blocks' weights are read in place, one "
                      "layer at a time (no float32 copies)" + ("; the KV cache is float32" if mode == "infer" else ""))
-    if backend == "tpu" and mode != "infer":
-        notes.append("on a TPU: the loss's logits are computed a chunk at a time and freed before the blocks' backward")
+    if backend in ("tpu", "gpu") and mode != "infer":
+        notes.append(f"on a {backend.upper()}: the loss's logits are computed a chunk at a time and freed before the blocks' backward")
     seq = seq or config.n_ctx
     if seq > config.n_ctx: raise ValueError(f"seq={seq} is longer than the model's context n_ctx={config.n_ctx}")
     if batch < 1 or seq < 1: raise ValueError(f"batch={batch} and seq={seq} must be at least 1")
@@ -361,9 +367,10 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
         if asked: raise ValueError(f"plan got a mesh of {axes} and also {asked}: give a mesh or axis sizes, not both")
     else: axes = choose_axes(int(mesh_or_devices), dp, fsdp, mp, config, mode)
     grid = _Grid(axes)
-    if backend == "tpu" and mode != "infer" and axes["mp"] > 1:
-        notes.append(f"on a TPU with mp={axes['mp']}: the blocks' backward holds replicated [tokens, d_model] buffers, "
-                     "counted as the saved residuals again (measured); fsdp uses less")
+    if backend in ("tpu", "gpu") and mode != "infer" and axes["mp"] > 1:
+        share = {1: "the saved residuals again", 0.25: "a quarter of the saved residuals"}[MP_RESIDUALS[backend]]
+        notes.append(f"on a {backend.upper()} with mp={axes['mp']}: the blocks' backward holds replicated [tokens, d_model] "
+                     f"buffers, counted as {share} (measured); fsdp uses less")
     remat = config.remat if remat is None else bool(remat)
     shards = axes["dp"] * axes["fsdp"]
     rows = _rows_per_device(mode, batch, shards, notes)
@@ -376,6 +383,11 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     b = _state_bytes(config, mode, per_device, param_dtype, opt_dtype, lora_rank, backend, notes)
     kv_c = _nbytes(cache_dtype(config.replace(compute_dtype=str(jnp.dtype(compute_dtype))), backend))   # float32 on a CPU
     b.update(_working_bytes(config, shapes, axes, mode, batch, rows, seq, compute_dtype, kv_c, prompt, backend))
+    if device in NO_BF16 and jnp.dtype(compute_dtype) == jnp.bfloat16:   # XLA:GPU computes bf16 in float32 there
+        wide = int((1 if mode == "infer" else 1.5) * config.d_model * config.n_vocab / axes["mp"] * 4)   # measured on a T4
+        b["activations"] += wide; b["activations_no_remat"] += wide
+        notes.append(f"on a {device}: XLA computes bfloat16 in float32 (no bf16 arithmetic before compute capability 8): "
+                     f"{'a float32 copy' if mode == 'infer' else '1.5 float32 copies'} of the lm head counted")
     b["total"] = (b["params"] + b["opt_state"] + b["grads"] + b["gathered"] + b["kv_cache"]   # updates reuse the activations' memory
                   + max(b["updates"], b["activations"] if remat else b["activations_no_remat"]))
     kv_per_token = config.n_layer * 2 * config.n_kv_head * config.d_head * kv_c

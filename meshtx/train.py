@@ -25,8 +25,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 # %% auto #0
-__all__ = ['lr_schedule', 'decay_mask', 'make_optimizer', 'TrainState', 'next_token_loss', 'make_train_step', 'Trainer',
-           'demo_corpus', 'random_windows', 'demo']
+__all__ = ['STEP_OPTIONS', 'lr_schedule', 'decay_mask', 'make_optimizer', 'TrainState', 'next_token_loss', 'step_options',
+           'make_train_step', 'Trainer', 'demo_corpus', 'random_windows', 'demo']
 
 # %% ../nbs/08_train.ipynb #5127e80a
 def lr_schedule(lr: float, end_lr: float, warmup_steps: int, anneal_steps: int):
@@ -74,6 +74,13 @@ def next_token_loss(model, params, frozen, tokens):
     return model.apply(join(outer, p_outer), tokens[:, :-1], targets=tokens[:, 1:],
                        layers=[join(f, p) for f, p in zip(layers, p_layers)])
 
+# %% ../nbs/08_train.ipynb #16353ce1
+STEP_OPTIONS = {"gpu": {"xla_gpu_copy_insertion_use_region_analysis": True}}   # XLA options for the step, by backend
+
+def step_options(backend: str | None = None) -> dict | None:
+    "The XLA compiler options a training step is compiled with on `backend` (default: JAX's)."
+    return STEP_OPTIONS.get(backend or jax.default_backend())
+
 # %% ../nbs/08_train.ipynb #15098b1d
 def make_train_step(config: ModelConfig, optimizer, mesh=None, lora: LoRAConfig | None = None):
     """`step(state, batch [accum, B, T+1], frozen={}) -> (state, metrics)`: jitted with the state donated; with a
@@ -99,7 +106,7 @@ def make_train_step(config: ModelConfig, optimizer, mesh=None, lora: LoRAConfig 
             return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1)
         # a skipped step runs no update at all (rather than computing one and selecting the old state)
         return jax.lax.cond(ok, update, lambda s: s, state), {"loss": loss, "grad_norm": gnorm, "skipped": ~ok}
-    if mesh is None: return jax.jit(step, donate_argnums=0)
+    if mesh is None: return jax.jit(step, donate_argnums=0, compiler_options=step_options())
     return step   # the Trainer jits it with shardings
 
 # %% ../nbs/08_train.ipynb #f7710c13
@@ -182,7 +189,8 @@ def _compile(self: Trainer, trainable: dict, remat):
         p_sh = jax.tree.map(lambda x: x.sharding, trainable)
         o_sh = opt_state_shardings(self.optimizer, trainable, p_sh, mesh)
         opt_state = jax.jit(self.optimizer.init, out_shardings=o_sh)(trainable)
-        self._step = jax.jit(step, out_shardings=(TrainState(p_sh, o_sh, replicated), None), donate_argnums=0)
+        self._step = jax.jit(step, out_shardings=(TrainState(p_sh, o_sh, replicated), None), donate_argnums=0,
+                             compiler_options=step_options())
         step0 = jax.device_put(step0, replicated)
     self.state = TrainState(trainable, opt_state, step0)
     model = gptj(lm.config, activation_hint(mesh) if mesh is not None else no_hint, lm.lora)

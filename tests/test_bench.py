@@ -65,3 +65,16 @@ def test_tpu_script_runs_on_the_cpu(tmp_path):
     assert all(r["batch"] == 2 for r in rows[4:6])
     for r in rows[7:]:   # the vocabulary's share, and the loss alone in chunks (a full step's includes the head's gradient)
         assert r["full"]["xla_gib"] > r["half"]["xla_gib"] > 0 and r["loss_program_temporaries_in_chunks"] >= 0, r
+
+
+@pytest.mark.slow
+def test_products_benchmark_prints_its_table(tmp_path):
+    "bench/products.py: one of GPT-J-6B's products at 2 rows, meshtx's and torch's; a table row and a JSON line (no timing asserted)."
+    import json
+    r = subprocess.run([sys.executable, str(BENCH / "products.py"), "--rows", "2", "--repeats", "1", "--products", "out",
+                        "--json", str(tmp_path / "p.jsonl")], capture_output=True, text=True, timeout=300, cwd=BENCH)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [l for l in r.stdout.splitlines() if l.startswith("| `out` [4096, 4096] | 2 |")]
+    assert len(rows) == 1 and all(float(x) > 0 for x in rows[0].split("|")[3:7]), r.stdout
+    (row,) = [json.loads(l) for l in open(tmp_path / "p.jsonl")]
+    assert row["product"] == "out" and row["rows"] == 2 and row["meshtx_ms"] > 0 and row["torch_ms"] > 0
