@@ -339,6 +339,15 @@ def _state_bytes(config: ModelConfig, mode: str, per_device, param_dtype, opt_dt
         b["params"] += n * 4
     return b
 
+# %% ../nbs/03_sharding.ipynb #234d9c60
+def _float32_head(config: ModelConfig, mode: str, mp: int, device: str | None, compute_dtype, notes: list) -> int:
+    "Bytes of the lm head's float32 copies where XLA computes bf16 in float32 (`NO_BF16` GPUs); noted."
+    if device not in NO_BF16 or jnp.dtype(compute_dtype) != jnp.bfloat16: return 0
+    copies = 1 if mode == "infer" else 1.5
+    notes.append(f"on a {device}: XLA computes bfloat16 in float32 (no bf16 arithmetic before compute capability 8): "
+                 f"the lm head's float32 copies counted ({copies})")
+    return int(copies * config.d_model * config.n_vocab / mp * 4)
+
 # %% ../nbs/03_sharding.ipynb #73ddd41a
 def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batch: int = 1, seq: int | None = None,
          device: str | None = None, param_dtype=None, opt_dtype="float32", compute_dtype="bfloat16",
@@ -383,11 +392,8 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     b = _state_bytes(config, mode, per_device, param_dtype, opt_dtype, lora_rank, backend, notes)
     kv_c = _nbytes(cache_dtype(config.replace(compute_dtype=str(jnp.dtype(compute_dtype))), backend))   # float32 on a CPU
     b.update(_working_bytes(config, shapes, axes, mode, batch, rows, seq, compute_dtype, kv_c, prompt, backend))
-    if device in NO_BF16 and jnp.dtype(compute_dtype) == jnp.bfloat16:   # XLA:GPU computes bf16 in float32 there
-        wide = int((1 if mode == "infer" else 1.5) * config.d_model * config.n_vocab / axes["mp"] * 4)   # measured on a T4
-        b["activations"] += wide; b["activations_no_remat"] += wide
-        notes.append(f"on a {device}: XLA computes bfloat16 in float32 (no bf16 arithmetic before compute capability 8): "
-                     f"{'a float32 copy' if mode == 'infer' else '1.5 float32 copies'} of the lm head counted")
+    wide = _float32_head(config, mode, axes["mp"], device, compute_dtype, notes)   # 0 but on a T4, V100 or P100
+    b["activations"] += wide; b["activations_no_remat"] += wide
     b["total"] = (b["params"] + b["opt_state"] + b["grads"] + b["gathered"] + b["kv_cache"]   # updates reuse the activations' memory
                   + max(b["updates"], b["activations"] if remat else b["activations_no_remat"]))
     kv_per_token = config.n_layer * 2 * config.n_kv_head * config.d_head * kv_c
