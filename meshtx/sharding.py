@@ -377,7 +377,7 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     else: axes = choose_axes(int(mesh_or_devices), dp, fsdp, mp, config, mode)
     grid = _Grid(axes)
     if backend in ("tpu", "gpu") and mode != "infer" and axes["mp"] > 1:
-        share = {1: "the saved residuals again", 0.25: "a quarter of the saved residuals"}[MP_RESIDUALS[backend]]
+        r = MP_RESIDUALS[backend]; share = "the saved residuals again" if r == 1 else f"{r:g} of the saved residuals again"
         notes.append(f"on a {backend.upper()} with mp={axes['mp']}: the blocks' backward holds replicated [tokens, d_model] "
                      f"buffers, counted as {share} (measured); fsdp uses less")
     remat = config.remat if remat is None else bool(remat)

@@ -461,7 +461,7 @@ def test_plan_on_a_gpu_matches_xla_gpu():
                  dp=n // (fsdp * mp), fsdp=fsdp, mp=mp, **kw)
         ratios[mode, chip, name, dtype, batch, seq, fsdp, mp, n] = p.total / 2**30 / xla_gib
         if mode == "train": assert p.bytes["updates"] == 0 and any("fused" in note for note in p.notes), p.notes
-        assert any(f"on a GPU with mp={mp}" in note for note in p.notes) == (mp > 1), p.notes
+        assert any(f"on a GPU with mp={mp}" in note and "0.25 of the saved" in note for note in p.notes) == (mp > 1), p.notes
     assert len(ratios) == 48 and all(0.92 <= r <= 1.21 for r in ratios.values()), ratios
     outside = {k: round(r, 3) for k, r in ratios.items() if abs(r - 1) > 0.1}
     assert len(outside) <= 6 and all(r > 1 for r in outside.values()), outside
