@@ -19,11 +19,10 @@ JAX's default backend is the CPU, so the script makes meshtx see "gpu" while it 
 import json, os, sys, time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")                 # no GPU here: the CPU runs, the CUDA plugin only compiles
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no cuDNN / driver to check
-import numpy as np
-import jax, jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jax
 import meshtx
 from tpu_steps import compiled_step, emit
+from tpu import prefill_memory   # the same program as on a TPU, laid out on the deviceless GPU
 
 # What XLA:GPU needs to know about each target (its `GpuTargetConfig`, text format); memory as `meshtx.sharding.CHIPS`.
 _COMMON = dict(threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
@@ -57,25 +56,6 @@ def gpus(chip: str, n: int):
     return topologies.get_topology_desc(platform="cuda", target_config=target_config(chip), topology=f"1x1x{n}").devices
 
 
-def prefill_memory(cfg, dev, batch: int, prompt: int, slots: int) -> dict:
-    """XLA's memory analysis (bytes) of `generate`'s prefill on `dev`: the stacked weights, a `prompt`-token batch into
-    a donated `slots`-slot cache, the last position's logits (as bench/tpu.py's, laid out on a deviceless GPU)."""
-    from functools import partial
-    from meshtx import sampling
-    from meshtx.model import KVCache, gptj, param_shapes
-    one = NamedSharding(Mesh(np.array([dev]), ("x",)), P())
-    on = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
-    model = gptj(cfg)
-    cache = on(jax.eval_shape(lambda: KVCache.init(cfg, batch, slots)))
-    prefill = jax.jit(lambda p, t, m, c: sampling._prefill(partial(model.apply, layers=None), p, t, m, c, cfg.n_vocab),
-                      donate_argnums=3, out_shardings=one)
-    ids = jax.ShapeDtypeStruct((batch, prompt), jnp.int32, sharding=one)
-    m = prefill.lower(on(param_shapes(cfg)), ids, ids, cache).compile().memory_analysis()
-    alias = getattr(m, "alias_size_in_bytes", 0)
-    return dict(arguments=m.argument_size_in_bytes, temporaries=m.temp_size_in_bytes,
-                total=m.argument_size_in_bytes + m.output_size_in_bytes - alias + m.temp_size_in_bytes)
-
-
 def row(chip: str, r: list):
     kind, name, *rest = r
     t0 = time.time()
@@ -83,7 +63,7 @@ def row(chip: str, r: list):
         if kind == "infer":
             B, prompt, slots = rest
             cfg = meshtx.ModelConfig.preset(name).replace(param_dtype="bfloat16", compute_dtype="bfloat16")
-            m = prefill_memory(cfg, gpus(chip, 1)[0], B, prompt, slots)
+            m = prefill_memory(cfg, B, prompt, slots, device=gpus(chip, 1)[0])
             pl = meshtx.plan(cfg, 1, mode="infer", batch=B, seq=slots, prompt=prompt, device=chip, param_dtype="bfloat16")
             emit(chip=chip, kind=kind, name=name, B=B, prompt=prompt, slots=slots, xla=m["total"] / 2**30,
                  temps=m["temporaries"] / 2**30, args=m["arguments"] / 2**30, plan=pl.total / 2**30,
