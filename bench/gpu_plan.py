@@ -14,15 +14,15 @@ n_gpus]` one training step (remat; a full step's Adam moments in `dtype`, LoRA r
 the `Trainer` lays it out on `n_gpus` GPUs of one host (dp: the rest). Each result is a line `ROW {json}` in GiB per GPU:
 XLA's total (arguments + outputs - aliases + temporaries), `plan`'s, and their ratio.
 
-meshtx chooses some kernels by `jax.default_backend()` (the CPU's weights-first products, its float32 KV cache). Here
-JAX's default backend is the CPU, so the script makes meshtx see "gpu" while it traces, as it would on the GPU."""
+meshtx chooses some kernels by backend (the CPU's weights-first products, its float32 KV cache). Here JAX's default
+backend is the CPU: `meshtx.compiled.compiled_memory` traces the target's kernels (`meshtx.model.compiling_for`)."""
 import json, os, sys, time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")                 # no GPU here: the CPU runs, the CUDA plugin only compiles
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no cuDNN / driver to check
 import jax
 import meshtx
 from tpu_steps import compiled_step, emit
-from tpu import prefill_memory   # the same program as on a TPU, laid out on the deviceless GPU
+from tpu import prefill_memory
 
 # What XLA:GPU needs to know about each target (its `GpuTargetConfig`, text format); memory as `meshtx.sharding.CHIPS`.
 _COMMON = dict(threads_per_block_limit=1024, threads_per_warp=32, shared_memory_per_block=49152,
@@ -73,7 +73,7 @@ def row(chip: str, r: list):
             B, T, dtype, fsdp, mp, layers, n = rest
             cfg = meshtx.ModelConfig.preset(name).replace(param_dtype=dtype, compute_dtype="bfloat16", remat=True)
             if layers: cfg = cfg.replace(n_layer=layers)
-            res = compiled_step(cfg, gpus(chip, n), B, T, dtype, fsdp, mp, 8 if kind == "lora" else 0, device=chip)
+            res = compiled_step(cfg, gpus(chip, n), B, T, dtype, fsdp, mp, 8 if kind == "lora" else 0)
             emit(chip=chip, kind=kind, name=name, B=B, T=T, dtype=dtype, fsdp=fsdp, mp=mp, layers=layers, n=n, **res,
                  s=round(time.time() - t0, 1))
     except Exception as e:
@@ -81,6 +81,5 @@ def row(chip: str, r: list):
 
 
 if __name__ == "__main__":
-    jax.default_backend = lambda: "gpu"   # meshtx traces its GPU kernels (see the docstring)
     chip = sys.argv[1]
     for r in json.loads(sys.argv[2]): row(chip, r)

@@ -9,29 +9,17 @@ step (weights and Adam moments in the benchmark dtype), each with remat policies
 On one CPU the LoRA step is compiled as the `Trainer` runs it there: the frozen blocks one layer at a time. Given
 the stacked blocks, XLA:CPU converts each whole bf16 stack to float32 before the layer loop (measured: Llama-3.2-1B's
 LoRA step at 1 × 512 had 4.2 GiB of temporaries that way, 0.55 GiB as the Trainer runs it)."""
-import jax, jax.numpy as jnp
 from common import parser, config, report, default_dtype
 
 
 def step_memory(cfg, batch: int, seq: int, lora: int = 0) -> dict:
-    "XLA's memory analysis of one compiled train step (bytes)."
-    from meshtx import LoRAConfig
-    from meshtx.model import param_shapes, gptj
-    from meshtx.lora import split_adapters
-    from meshtx.train import make_optimizer, make_train_step, TrainState
-    lcfg = LoRAConfig(rank=lora) if lora else None
-    shapes = jax.eval_shape(gptj(cfg, lora=lcfg).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
-    frozen, trainable = split_adapters(shapes) if lora else ({}, shapes)
-    opt = make_optimizer(mu_dtype=None if lora else cfg.param_dtype)
-    state = TrainState(trainable, jax.eval_shape(opt.init, trainable), jax.ShapeDtypeStruct((), jnp.int32))
-    tokens = jax.ShapeDtypeStruct((1, batch, seq + 1), jnp.int32)
-    if lora and jax.default_backend() == "cpu":   # as the Trainer runs on one CPU: the frozen blocks one layer at a time
-        from meshtx.model import split_layers
-        frozen = split_layers(frozen, lambda x, i: jax.ShapeDtypeStruct(x.shape[1:], x.dtype))
-    m = make_train_step(cfg, opt, None, lcfg).lower(state, tokens, frozen).compile().memory_analysis()
-    args, out, temp = m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes
-    alias = getattr(m, "alias_size_in_bytes", 0)
-    return dict(arguments=args, temporaries=temp, total=args + out - alias + temp)
+    """XLA's memory analysis of one compiled train step (bytes): `meshtx.compiled.compiled_memory` of the `Trainer`'s
+    step on one device, in `cfg`'s dtypes and remat (a full step's Adam moments in the weights' dtype)."""
+    from meshtx.compiled import compiled_memory
+    kw = dict(lora_rank=lora) if lora else dict(opt_dtype=cfg.param_dtype)
+    c = compiled_memory(cfg, 1, "lora" if lora else "train", batch, seq, param_dtype=cfg.param_dtype,
+                        compute_dtype=cfg.compute_dtype, remat=cfg.remat, **kw)
+    return dict(arguments=c.arguments, temporaries=c.temporaries, total=c.total)
 
 
 def main(argv=None):

@@ -188,24 +188,13 @@ def plan_rows(args):
 
 
 def prefill_memory(cfg, batch: int, prompt: int, slots: int, device=None) -> dict:
-    """XLA's memory analysis (bytes) of `generate`'s prefill as it runs on an accelerator: the stacked weights, a
-    `prompt`-token batch into a donated `slots`-slot cache, the last position's logits (abstract: nothing allocated).
-    With `device` (a deviceless one, bench/gpu_plan.py), everything is laid out on it; else on JAX's default device."""
-    import jax, jax.numpy as jnp, numpy as np
-    from functools import partial
-    from meshtx import sampling
-    from meshtx.model import KVCache, gptj, param_shapes
-    one = None if device is None else jax.sharding.NamedSharding(jax.sharding.Mesh(np.array([device]), ("x",)), jax.sharding.PartitionSpec())
-    on = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
-    model = gptj(cfg)
-    cache = on(jax.eval_shape(lambda: KVCache.init(cfg, batch, slots)))
-    prefill = jax.jit(lambda p, t, m, c: sampling._prefill(partial(model.apply, layers=None), p, t, m, c, cfg.n_vocab),
-                      donate_argnums=3, out_shardings=one)
-    ids = on(jax.ShapeDtypeStruct((batch, prompt), jnp.int32))
-    m = prefill.lower(on(param_shapes(cfg)), ids, ids, cache).compile().memory_analysis()
-    alias = getattr(m, "alias_size_in_bytes", 0)
-    return dict(arguments=m.argument_size_in_bytes, temporaries=m.temp_size_in_bytes,
-                total=m.argument_size_in_bytes + m.output_size_in_bytes - alias + m.temp_size_in_bytes)
+    """XLA's memory analysis (bytes) of `generate`'s prefill: a `prompt`-token batch into a donated `slots`-slot cache,
+    the last position's logits (`meshtx.compiled.compiled_memory`; nothing allocated), on JAX's default device or on
+    `device` (a deviceless one, bench/gpu_plan.py)."""
+    from meshtx.compiled import compiled_memory
+    c = compiled_memory(cfg, 1, "infer", batch, slots, prompt=prompt, param_dtype=cfg.param_dtype,
+                        compute_dtype=cfg.compute_dtype, devices=None if device is None else [device])
+    return dict(arguments=c.arguments, temporaries=c.temporaries, total=c.total)
 
 
 def infer_plan_rows(args):

@@ -2,6 +2,8 @@
 
     python tpu_steps.py topo                      # can this JAX compile for a v5e-8 it does not have?
     python tpu_steps.py list '[["llama-3.2-1b", 1, 2048, "bfloat16", null], ...]'   # preset, batch, seq, dtype, layers
+    python tpu_steps.py compiled '[["gptj-6b", "lora", 1, 2048, "bfloat16", 1, 1, 8, null, 13.156], ...]'
+                                                  # meshtx.compiled.compiled_memory against the figures above
     python tpu_steps.py aot '{"topology_name": "v5e:2x4"}' '[["gptj-6b", 8, 2048, "bfloat16", 8, 1, null], ...]'
                                                   # ... fsdp, mp, layers (dp: the rest): Kaggle's v5e-8 from one chip;
                                                   # an 8th item, a rank, makes it a LoRA step
@@ -10,13 +12,9 @@ Each result is a line `ROW {json}` (GiB per chip: XLA's total = arguments + outp
 figures in tests/test_sharding.py's TPU_V5E_FULL_STEPS and TPU_V5E_LORA_MESH_STEPS came from these (bench/RESULTS.md,
 2026-12-06)."""
 import json, sys, time
-import jax, jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
 import meshtx
 from memory import step_memory
-from meshtx.sharding import plan, make_mesh, param_shardings, opt_state_shardings, batch_sharding
-from meshtx.model import param_shapes, gptj
-from meshtx.train import make_optimizer, make_train_step, TrainState, step_options
+from meshtx.sharding import plan
 
 def emit(**kw): print("ROW " + json.dumps(kw), flush=True)
 
@@ -30,37 +28,15 @@ def single(name, B, T, dtype="bfloat16", layers=None):
              temps=m["temporaries"] / 2**30, args=m["arguments"] / 2**30, s=round(time.time() - t0, 1))
     except Exception as e: emit(kind="single", name=name, B=B, T=T, dtype=dtype, layers=layers, error=str(e)[:300])
 
-def compiled_step(cfg, devs, B, T, dtype, fsdp, mp, lora=0, device="tpu-v5e"):
+def compiled_step(cfg, devs, B, T, dtype, fsdp, mp, lora=0):
     """XLA's memory analysis (GiB per device: total, temporaries, arguments) of one full (`lora=0`) or LoRA (rank `lora`)
-    training step of `cfg` on `devs`, laid out as the `Trainer` lays it out, and `plan`'s figure for it on `device`."""
-    from meshtx import LoRAConfig
-    from meshtx.lora import split_adapters
-    mode = "lora" if lora else "train"
-    # a mesh meshtx itself would build (with config=: an mp that does not divide the heads is refused, as in `plan`)
-    mesh = make_mesh(dp=len(devs) // (fsdp * mp), fsdp=fsdp, mp=mp, devices=devs, config=cfg, mode=mode)
-    lcfg = LoRAConfig(rank=lora) if lora else None
-    rep = NamedSharding(mesh, P())
-    if lora:   # the frozen base laid out by the partition rules, the float32 adapters replicated (`init_lora`)
-        frozen, trainable = split_adapters(jax.eval_shape(gptj(cfg, lora=lcfg).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
-        f_sh, p_sh = param_shardings(frozen, mesh), jax.tree.map(lambda _: rep, trainable)
-        opt = make_optimizer()
-    else:
-        frozen, trainable, f_sh = {}, param_shapes(cfg), {}
-        p_sh = param_shardings(cfg, mesh)
-        opt = make_optimizer(mu_dtype=dtype)
-    o_sh = opt_state_shardings(opt, trainable, p_sh, mesh)
-    state = TrainState(trainable, jax.eval_shape(opt.init, trainable), jax.ShapeDtypeStruct((), jnp.int32))
-    step = make_train_step(cfg, opt, mesh, lcfg)
-    tok_sh = NamedSharding(mesh, P(None, *batch_sharding(mesh, (B, T + 1)).spec))
-    st_sh = TrainState(p_sh, o_sh, rep)
-    j = jax.jit(step, in_shardings=(st_sh, tok_sh, f_sh), out_shardings=(st_sh, None), donate_argnums=0,
-                compiler_options=step_options())   # as the Trainer compiles it (JAX's backend's options)
-    m = j.lower(state, jax.ShapeDtypeStruct((1, B, T + 1), jnp.int32), frozen).compile().memory_analysis()
-    tot = m.argument_size_in_bytes + m.output_size_in_bytes - getattr(m, "alias_size_in_bytes", 0) + m.temp_size_in_bytes
+    training step of `cfg` on `devs` (`meshtx.compiled.compiled_memory`: the `Trainer`'s step), and `plan`'s figure."""
+    from meshtx.compiled import compiled_memory
     kw = dict(lora_rank=lora) if lora else dict(opt_dtype=dtype)
-    pl = plan(cfg, mesh, mode, B, T, device=device, param_dtype=dtype, remat=True, **kw).total
-    return dict(xla=tot / 2**30, temps=m.temp_size_in_bytes / 2**30, args=m.argument_size_in_bytes / 2**30,
-                plan=pl / 2**30, plan_over_xla=pl / tot)
+    c = compiled_memory(cfg, len(devs), "lora" if lora else "train", B, T, param_dtype=dtype, compute_dtype=cfg.compute_dtype,
+                        remat=cfg.remat, dp=len(devs) // (fsdp * mp), fsdp=fsdp, mp=mp, devices=devs, **kw)
+    return dict(xla=c.total / 2**30, temps=c.temporaries / 2**30, args=c.arguments / 2**30, plan=c.plan.total / 2**30,
+                plan_over_xla=c.plan.total / c.total)
 
 def aot(name, B, T, dtype, fsdp=8, mp=1, topo_kw=None, layers=None, lora=0):
     from jax.experimental import topologies
@@ -75,6 +51,22 @@ def aot(name, B, T, dtype, fsdp=8, mp=1, topo_kw=None, layers=None, lora=0):
     except Exception as e:
         emit(kind="aot", name=name, B=B, T=T, dtype=dtype, topo=str(topo_kw), lora=lora, error=f"{type(e).__name__}: {str(e)[:500]}")
 
+def compiled(rows):
+    """`meshtx.compiled.compiled_memory` on this chip (`topo` None) or a topology's devices, each row beside the figure
+    measured before by the code above (`before`, GiB per chip): (preset, mode, B, T, dtype, fsdp, mp, rank, topo, before)."""
+    from jax.experimental import topologies
+    from meshtx.compiled import compiled_memory
+    for name, mode, B, T, dtype, fsdp, mp, rank, topo, before in rows:
+        try:
+            devices = topologies.get_topology_desc(platform="tpu", topology_name=topo).devices if topo else None
+            n = len(devices) if devices else 1
+            kw = dict(lora_rank=rank) if mode == "lora" else dict(opt_dtype=dtype)
+            t0 = time.time()
+            c = compiled_memory(name, n, mode, B, T, param_dtype=dtype, remat=True, dp=n // (fsdp * mp), fsdp=fsdp, mp=mp, devices=devices, **kw)
+            emit(kind="compiled", name=name, mode=mode, B=B, T=T, dtype=dtype, fsdp=fsdp, mp=mp, topo=topo, xla=c.total / 2**30,
+                 before=before, same=abs(c.total / 2**30 - before) < 0.0005, plan=c.plan.total / 2**30, s=round(time.time() - t0, 1))
+        except Exception as e: emit(kind="compiled", name=name, mode=mode, topo=topo, error=f"{type(e).__name__}: {str(e)[:500]}")
+
 if __name__ == "__main__":
     part = sys.argv[1]
     if part == "topo":
@@ -84,6 +76,8 @@ if __name__ == "__main__":
             except Exception as e: print("TOPO fail", kw, type(e).__name__, str(e)[:300], flush=True)
     elif part == "list":
         for name, B, T, dtype, layers in json.loads(sys.argv[2]): single(name, B, T, dtype, layers)
+    elif part == "compiled":
+        compiled(json.loads(sys.argv[2]))
     elif part == "aot":
         kw = json.loads(sys.argv[2])
         for name, B, T, dtype, fsdp, mp, layers, *lora in json.loads(sys.argv[3]):

@@ -6,6 +6,7 @@ from meshtx.model import KVCache, gptj, init_params, param_shapes
 from meshtx.tokenizer import EOT, gpt2_tokenizer, load_tokenizer
 from meshtx.lm import LM, enable_compilation_cache, disable_compilation_cache
 from meshtx.sharding import make_mesh, plan, param_shardings, shard_params
+from meshtx.compiled import compiled_memory
 from meshtx import distributed
 from meshtx.sampling import Generation
 from meshtx.config import LoRAConfig
@@ -37,6 +38,7 @@ from .model import KVCache, gptj, init_params, param_shapes
 from .tokenizer import EOT, gpt2_tokenizer, load_tokenizer
 from .lm import LM, enable_compilation_cache, disable_compilation_cache
 from .sharding import make_mesh, plan, param_shardings, shard_params
+from .compiled import compiled_memory
 from . import distributed
 from .sampling import Generation
 from .config import LoRAConfig

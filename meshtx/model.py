@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/model.html.md"""
 
 # %% ../nbs/01_model.ipynb #21ec71ac
 from __future__ import annotations
-import math
+import contextlib, contextvars, math
 from functools import cache, partial
 from typing import NamedTuple
 import numpy as np
@@ -17,11 +17,11 @@ from .config import ModelConfig, LoRAConfig
 
 # %% auto #0
 __all__ = ['FEW_ROWS', 'ACTIVATIONS', 'REMAT_POLICY', 'LOSS_ROWS', 'BLOCKS', 'rotary_angles', 'rotary_frequencies',
-           'apply_rotary', 'einsum32', 'times_wt', 'attend', 'self_attention', 'dense', 'low_rank', 'lora_update',
-           'linear', 'layer_norm', 'rms_norm', 'norm', 'gelu_new', 'no_hint', 'mlp', 'block', 'add_bias', 'lm_head',
-           'layer_window', 'self_mask', 'scan_blocks', 'GPTJ', 'gptj', 'init_params', 'param_shapes',
-           'cpu_mixed_products', 'cross_entropy', 'n_loss_chunks', 'fused_cross_entropy', 'cache_dtype', 'KVCache',
-           'after', 'cache_read', 'attend_cached', 'split_layers', 'remat_in_turn', 'run_layers']
+           'apply_rotary', 'backend', 'compiling_for', 'einsum32', 'times_wt', 'attend', 'self_attention', 'dense',
+           'low_rank', 'lora_update', 'linear', 'layer_norm', 'rms_norm', 'norm', 'gelu_new', 'no_hint', 'mlp', 'block',
+           'add_bias', 'lm_head', 'layer_window', 'self_mask', 'scan_blocks', 'GPTJ', 'gptj', 'init_params',
+           'param_shapes', 'cpu_mixed_products', 'cross_entropy', 'n_loss_chunks', 'fused_cross_entropy', 'cache_dtype',
+           'KVCache', 'after', 'cache_read', 'attend_cached', 'split_layers', 'remat_in_turn', 'run_layers']
 
 # %% ../nbs/01_model.ipynb #63414cbc
 def rotary_angles(positions: jax.Array, rotary_dim: int, base: float = 10000.0, inv_freq=None):
@@ -74,10 +74,24 @@ def apply_rotary(x: jax.Array, sin: jax.Array, cos: jax.Array, style: str = "pai
         rotated = jnp.concatenate([a * c - b * s, b * c + a * s], axis=-1)
     return jnp.concatenate([rotated.astype(x.dtype), rest], axis=-1)
 
+# %% ../nbs/01_model.ipynb #7750d64f
+_TARGET = contextvars.ContextVar("meshtx_target_backend", default=None)
+
+def backend() -> str:
+    "The backend meshtx's kernels are traced for: 'cpu', 'gpu' or 'tpu' (JAX's, or `compiling_for`'s while it lasts)."
+    return _TARGET.get() or jax.default_backend()
+
+@contextlib.contextmanager
+def compiling_for(target: str):
+    "Trace meshtx's kernels for `target`'s backend inside this block (a program compiled for devices of another)."
+    token = _TARGET.set(target)
+    try: yield
+    finally: _TARGET.reset(token)
+
 # %% ../nbs/01_model.ipynb #009772ce
 def einsum32(spec: str, a, b):
     "`jnp.einsum(spec, a, b)` accumulated in float32, from the inputs' own dtype (widened first on a CPU that cannot)."
-    if (a.dtype, b.dtype) != (jnp.float32,) * 2 and jax.default_backend() == "cpu" and not cpu_mixed_products():
+    if (a.dtype, b.dtype) != (jnp.float32,) * 2 and backend() == "cpu" and not cpu_mixed_products():
         a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
@@ -87,7 +101,7 @@ FEW_ROWS = 16   # up to this many rows, a CPU multiplies weights-first (faster t
 def times_wt(x, w):
     "`x @ wᵀ` accumulated in float32, for `x` `[..., n_in]` and a weight `w` `[n_out, n_in]`; weights-first for a few rows on a CPU."
     rows = math.prod(x.shape[:-1])
-    if rows > FEW_ROWS or jax.default_backend() != "cpu": return einsum32("...i,oi->...o", x, w)
+    if rows > FEW_ROWS or backend() != "cpu": return einsum32("...i,oi->...o", x, w)
     y = einsum32("oi,ni->on", w, x.reshape(rows, x.shape[-1]))   # [n_out, rows]
     return jax.lax.optimization_barrier(y).T.reshape(*x.shape[:-1], w.shape[0])
 
@@ -126,8 +140,8 @@ def self_attention(q, k, v, mask, cfg: ModelConfig):
     """Causal attention of a sequence `[B, T, H, d]` over itself; `mask` `[B, T, T]`, or None for causal without padding.
     Keys and values may have fewer heads than the queries (grouped-query attention): each serves `H / n_kv_head` of them."""
     if cfg.attention == "cudnn":
-        if jax.default_backend() != "gpu":
-            raise ValueError(f"attention='cudnn' needs an NVIDIA GPU, but JAX's backend is {jax.default_backend()!r}; "
+        if backend() != "gpu":
+            raise ValueError(f"attention='cudnn' needs an NVIDIA GPU, but JAX's backend is {backend()!r}; "
                              "use attention='xla'")
         return jax.nn.dot_product_attention(q, k, v, mask=None if mask is None else mask[:, None],
                                             is_causal=mask is None, implementation="cudnn")
@@ -480,10 +494,10 @@ def _fce_bwd(hint, rows, res, g):
 fused_cross_entropy.defvjp(_fce_fwd, _fce_bwd)
 
 # %% ../nbs/01_model.ipynb #385f3b89
-def cache_dtype(config: ModelConfig, backend: str | None = None) -> str:
-    """The KV cache's default dtype: the compute dtype, except float32 on the CPU (JAX's backend by default), whose XLA
+def cache_dtype(config: ModelConfig, on: str | None = None) -> str:
+    """The KV cache's default dtype: the compute dtype, except float32 on the CPU (`on`, default `backend()`), whose XLA
     widens a bf16 cache to float32 for every write: 1.4 GB of copies to prefill 16 prompts into GPT-J-6B's cache."""
-    return "float32" if (backend or jax.default_backend()) == "cpu" else config.compute_dtype
+    return "float32" if (on or backend()) == "cpu" else config.compute_dtype
 
 def _chunk_size(max_len: int, most: int = 256) -> int:
     "The largest power of two ≤ `most` dividing `max_len`: the cache's chunk length."
@@ -588,7 +602,7 @@ def _attend_all_slots(q, v, s, cache: KVCache, layer, seen=None) -> jax.Array:
 def cache_read(cfg: ModelConfig) -> str:
     """How a decoding step reads the KV cache: `cfg.cache_read`, with "auto" resolved for JAX's backend ("all" on GPUs)."""
     if cfg.cache_read != "auto": return cfg.cache_read
-    return "all" if jax.default_backend() == "gpu" else "chunks"
+    return "all" if backend() == "gpu" else "chunks"
 
 # %% ../nbs/01_model.ipynb #fb00000a
 def attend_cached(q, k, v, mask, cache: KVCache, layer, read: str = "chunks", window: int | None = None) -> jax.Array:

@@ -14,7 +14,7 @@ import jax, jax.numpy as jnp
 import optax
 from fastcore.basics import patch
 from .config import ModelConfig, LoRAConfig
-from .model import gptj, no_hint, split_layers
+from .model import gptj, no_hint, split_layers, backend as model_backend
 from .lm import LM, layer_views
 from .lora import split_adapters, join
 from .checkpoint import check_keep
@@ -79,7 +79,7 @@ STEP_OPTIONS = {"gpu": {"xla_gpu_copy_insertion_use_region_analysis": True}}   #
 
 def step_options(backend: str | None = None) -> dict | None:
     "The XLA compiler options a training step is compiled with on `backend` (default: JAX's)."
-    return STEP_OPTIONS.get(backend or jax.default_backend())
+    return STEP_OPTIONS.get(backend or model_backend())
 
 # %% ../nbs/08_train.ipynb #15098b1d
 def make_train_step(config: ModelConfig, optimizer, mesh=None, lora: LoRAConfig | None = None):
