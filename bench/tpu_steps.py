@@ -51,20 +51,26 @@ def aot(name, B, T, dtype, fsdp=8, mp=1, topo_kw=None, layers=None, lora=0):
     except Exception as e:
         emit(kind="aot", name=name, B=B, T=T, dtype=dtype, topo=str(topo_kw), lora=lora, error=f"{type(e).__name__}: {str(e)[:500]}")
 
+def topology_devices(name: str):
+    "The devices of TPU topology `name` ('v5e:2x4', or 'v5e:1x1' for one chip), attached or not."
+    from jax.experimental import topologies
+    one = dict(chips_per_host_bounds=[1, 1, 1]) if name.endswith(":1x1") else {}
+    return topologies.get_topology_desc(platform="tpu", topology_name=name, **one).devices
+
 def compiled(rows):
     """`meshtx.compiled.compiled_memory` on this chip (`topo` None) or a topology's devices, each row beside the figure
-    measured before by the code above (`before`, GiB per chip): (preset, mode, B, T, dtype, fsdp, mp, rank, topo, before)."""
-    from jax.experimental import topologies
+    measured before by the code above (`before`, GiB per chip, or None): (preset, mode, B, T, dtype, fsdp, mp, rank, topo, before)."""
     from meshtx.compiled import compiled_memory
     for name, mode, B, T, dtype, fsdp, mp, rank, topo, before in rows:
         try:
-            devices = topologies.get_topology_desc(platform="tpu", topology_name=topo).devices if topo else None
+            devices = topology_devices(topo) if topo else None
             n = len(devices) if devices else 1
             kw = dict(lora_rank=rank) if mode == "lora" else dict(opt_dtype=dtype)
             t0 = time.time()
             c = compiled_memory(name, n, mode, B, T, param_dtype=dtype, remat=True, dp=n // (fsdp * mp), fsdp=fsdp, mp=mp, devices=devices, **kw)
             emit(kind="compiled", name=name, mode=mode, B=B, T=T, dtype=dtype, fsdp=fsdp, mp=mp, topo=topo, xla=c.total / 2**30,
-                 before=before, same=abs(c.total / 2**30 - before) < 0.0005, plan=c.plan.total / 2**30, s=round(time.time() - t0, 1))
+                 before=before, same=None if before is None else abs(c.total / 2**30 - before) < 0.0015, plan=c.plan.total / 2**30,
+                 plan_over_xla=round(c.plan.total / c.total, 3), s=round(time.time() - t0, 1))
         except Exception as e: emit(kind="compiled", name=name, mode=mode, topo=topo, error=f"{type(e).__name__}: {str(e)[:500]}")
 
 if __name__ == "__main__":

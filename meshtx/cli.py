@@ -379,13 +379,15 @@ def cmd_plan(args) -> int:
     config = ModelConfig.from_hf(args.hf_config) if args.hf_config else ModelConfig.preset(args.preset)
     kw = dict(mode=args.mode, batch=args.batch, seq=args.seq, param_dtype=args.param_dtype, opt_dtype=args.opt_dtype,
               lora_rank=args.lora_rank, remat=not args.no_remat, dp=args.dp, fsdp=args.fsdp, mp=args.mp, prompt=args.prompt)
-    print(plan(config, args.devices, device=args.device, **kw))
-    if args.compile or args.topology:   # XLA's own figure: the program compiled for these devices (or a topology's)
+    devices, device = None, args.device
+    if args.topology:   # a TPU slice's devices, attached or not (libtpu compiles for them on any host)
+        from jax.experimental import topologies
+        from meshtx.sharding import chip_of
+        devices = topologies.get_topology_desc(platform="tpu", topology_name=args.topology).devices
+        device = device or chip_of(devices[0].device_kind)   # plan for the topology's chip
+    print(plan(config, args.devices, device=device, **kw))
+    if args.compile or args.topology:   # XLA's own figure: the program compiled for these devices
         from meshtx.compiled import compiled_memory
-        devices = None
-        if args.topology:
-            from jax.experimental import topologies
-            devices = topologies.get_topology_desc(platform="tpu", topology_name=args.topology).devices
         print("\n" + str(compiled_memory(config, args.devices, devices=devices, **kw)))
     return 0
 
@@ -410,7 +412,8 @@ def _add_plan(sub):
                    "as `meshtx finetune` trains; the plan's first line says which)")
     s.add_argument("--compile", action="store_true", help="also compile the program for this machine's devices (nothing "
                    "allocated) and print XLA's own figure beside the plan's")
-    s.add_argument("--topology", help="compile for a TPU topology instead, e.g. v5e:2x4 (Kaggle's v5e-8; needs a TPU runtime)")
+    s.add_argument("--topology", help="compile for a TPU slice instead, e.g. v5e:2x4 (Kaggle's v5e-8); needs libtpu, "
+                   "on any host: pip install 'jax[tpu]'")
     s.set_defaults(func=cmd_plan)
 
 # %% ../nbs/12_cli.ipynb #ae0bc30d

@@ -301,12 +301,13 @@ def _working_bytes(config: ModelConfig, shapes: dict, axes: dict, mode: str, bat
             # two at more (the scan's sum, in and out); over dp x fsdp, one (a whole head's, then reduced), lasting
             # into the blocks' backward. That backward also holds, with mp > 1, replicated [tokens, d_model] buffers and
             # their all-reduces (`MP_RESIDUALS` of the saved residuals again) and, with fsdp > 1 in a full step, a whole
-            # block's float32 gradient before its reduce-scatter (as many bytes as `gathered`).
+            # block's float32 gradient before its reduce-scatter (as many bytes as `gathered`). With fsdp > 1 and more
+            # than one chunk, the loss's loop holds the whole head, gathered (Qwen2.5-0.5B, v5e-8: 0.87 of XLA without).
             many, reduced = n_loss_chunks(batch, seq, LOSS_ROWS * shards) > 1, shards > 1
             heads = 1 if reduced else 2 * many
             late = (max(layer, chunk) + head * min(heads, 1) + MP_RESIDUALS[backend] * L * tok * c * D * (mpn > 1)
                     + w["gathered"] * (mode == "train"))
-            loss = chunk + head * heads
+            loss = chunk + head * heads + D * V / mpn * c * (axes["fsdp"] > 1) * many
             late = max(late, loss)   # the loss's peak, or the blocks' backward
         else:   # XLA:CPU (measured): a chunk's logits and exponentials, and, training the head, the logits' gradient,
             loss = (3 if mode == "train" else 2) * chunk + head   # beside the blocks' backward (a frozen head's logit
