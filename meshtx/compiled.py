@@ -1,4 +1,4 @@
-"""XLA's own figure for a program's memory, compiled for the devices before any weight exists: `plan`'s estimate,
+"""XLA's own memory figure for meshtx's programs, compiled for the devices before any weight exists.
 
 Docs: https://meshtx.github.io/meshtx/compiled.html.md"""
 
