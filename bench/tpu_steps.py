@@ -51,19 +51,13 @@ def aot(name, B, T, dtype, fsdp=8, mp=1, topo_kw=None, layers=None, lora=0):
     except Exception as e:
         emit(kind="aot", name=name, B=B, T=T, dtype=dtype, topo=str(topo_kw), lora=lora, error=f"{type(e).__name__}: {str(e)[:500]}")
 
-def topology_devices(name: str):
-    "The devices of TPU topology `name` ('v5e:2x4', or 'v5e:1x1' for one chip), attached or not."
-    from jax.experimental import topologies
-    one = dict(chips_per_host_bounds=[1, 1, 1]) if name.endswith(":1x1") else {}
-    return topologies.get_topology_desc(platform="tpu", topology_name=name, **one).devices
-
 def compiled(rows):
     """`meshtx.compiled.compiled_memory` on this chip (`topo` None) or a topology's devices, each row beside the figure
     measured before by the code above (`before`, GiB per chip, or None): (preset, mode, B, T, dtype, fsdp, mp, rank, topo, before)."""
-    from meshtx.compiled import compiled_memory
+    from meshtx.compiled import compiled_memory, tpu_topology
     for name, mode, B, T, dtype, fsdp, mp, rank, topo, before in rows:
         try:
-            devices = topology_devices(topo) if topo else None
+            devices = tpu_topology(topo) if topo else None
             n = len(devices) if devices else 1
             kw = dict(lora_rank=rank) if mode == "lora" else dict(opt_dtype=dtype)
             t0 = time.time()

@@ -381,9 +381,9 @@ def cmd_plan(args) -> int:
               lora_rank=args.lora_rank, remat=not args.no_remat, dp=args.dp, fsdp=args.fsdp, mp=args.mp, prompt=args.prompt)
     devices, device = None, args.device
     if args.topology:   # a TPU slice's devices, attached or not (libtpu compiles for them on any host)
-        from jax.experimental import topologies
+        from meshtx.compiled import tpu_topology
         from meshtx.sharding import chip_of
-        devices = topologies.get_topology_desc(platform="tpu", topology_name=args.topology).devices
+        devices = tpu_topology(args.topology)
         device = device or chip_of(devices[0].device_kind)   # plan for the topology's chip
     print(plan(config, args.devices, device=device, **kw))
     if args.compile or args.topology:   # XLA's own figure: the program compiled for these devices

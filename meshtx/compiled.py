@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/compiled.html.md"""
 
 # %% ../nbs/08c_compiled.ipynb #fa2ca8db
 from __future__ import annotations
-import dataclasses
+import dataclasses, importlib.util, re
 from functools import partial
 import jax, jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding, PartitionSpec as P
@@ -19,7 +19,7 @@ from .sampling import _bucket, _prefill
 from .train import TrainState, make_optimizer, make_train_step, step_options
 
 # %% auto #0
-__all__ = ['CompiledMemory', 'compiled_memory']
+__all__ = ['CompiledMemory', 'compiled_memory', 'tpu_topology']
 
 # %% ../nbs/08c_compiled.ipynb #396c1021
 @dataclasses.dataclass(frozen=True)
@@ -142,3 +142,20 @@ def compiled_memory(config: ModelConfig | str, mesh_or_devices=1, mode: str = "i
         m = program.lower(*args, **kw).compile().memory_analysis()
     return CompiledMemory(p, m.argument_size_in_bytes, m.output_size_in_bytes, getattr(m, "alias_size_in_bytes", 0),
                           m.temp_size_in_bytes)
+
+# %% ../nbs/08c_compiled.ipynb #a374935e
+_TOPOLOGY = re.compile(r"^[a-zA-Z0-9_ ]+[=_:]([0-9]+(?:x[0-9]+)*)(_twisted|_untwisted)?$")
+
+def tpu_topology(name: str) -> list:
+    "The devices of the TPU slice `name` ('v5e:2x4', or 'v5e:1x1' for one chip), attached or not: libtpu compiles for them."
+    if not isinstance(name, str) or not (m := _TOPOLOGY.match(name)):
+        raise ValueError(f"TPU topology {name!r}: expected a chip and its shape, e.g. 'v5e:2x4' (a v5e-8) or 'v5e:1x1'")
+    if importlib.util.find_spec("libtpu") is None:
+        raise ImportError(f"TPU topology {name!r}: compiling for a TPU needs libtpu, not a TPU: pip install 'jax[tpu]'")
+    from jax.experimental import topologies
+    get = partial(topologies.get_topology_desc, platform="tpu", topology_name=name)
+    try: return get().devices
+    except Exception as e:   # a shape this chip does not come in, or one smaller than a host (below)
+        if "chips_per_host_bounds" not in str(e): raise ValueError(f"TPU topology {name!r}: {e}") from e
+    shape = [int(n) for n in m.group(1).split("x")]   # smaller than a host: the slice is its own host
+    return get(chips_per_host_bounds=(shape + [1, 1])[:3]).devices

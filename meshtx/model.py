@@ -17,11 +17,11 @@ from .config import ModelConfig, LoRAConfig
 
 # %% auto #0
 __all__ = ['FEW_ROWS', 'ACTIVATIONS', 'REMAT_POLICY', 'LOSS_ROWS', 'BLOCKS', 'rotary_angles', 'rotary_frequencies',
-           'apply_rotary', 'backend', 'compiling_for', 'einsum32', 'times_wt', 'attend', 'self_attention', 'dense',
-           'low_rank', 'lora_update', 'linear', 'layer_norm', 'rms_norm', 'norm', 'gelu_new', 'no_hint', 'mlp', 'block',
-           'add_bias', 'lm_head', 'layer_window', 'self_mask', 'scan_blocks', 'GPTJ', 'gptj', 'init_params',
+           'apply_rotary', 'backend', 'compiling_for', 'after', 'einsum32', 'times_wt', 'attend', 'self_attention',
+           'dense', 'low_rank', 'lora_update', 'linear', 'layer_norm', 'rms_norm', 'norm', 'gelu_new', 'no_hint', 'mlp',
+           'block', 'add_bias', 'lm_head', 'layer_window', 'self_mask', 'scan_blocks', 'GPTJ', 'gptj', 'init_params',
            'param_shapes', 'cpu_mixed_products', 'cross_entropy', 'n_loss_chunks', 'fused_cross_entropy', 'cache_dtype',
-           'KVCache', 'after', 'cache_read', 'attend_cached', 'split_layers', 'remat_in_turn', 'run_layers']
+           'KVCache', 'cache_read', 'attend_cached', 'split_layers', 'remat_in_turn', 'run_layers']
 
 # %% ../nbs/01_model.ipynb #63414cbc
 def rotary_angles(positions: jax.Array, rotary_dim: int, base: float = 10000.0, inv_freq=None):
@@ -88,11 +88,22 @@ def compiling_for(target: str):
     try: yield
     finally: _TARGET.reset(token)
 
+# %% ../nbs/01_model.ipynb #7a9be614
+def after(x: jax.Array, *ys) -> tuple:
+    "`ys` unchanged, but computed after `x`: each plus a zero taken from `x` (a zero even where `x` is NaN or infinite)."
+    x0 = x[(0,) * x.ndim]
+    zero = jnp.where(jnp.isfinite(x0), x0, 0) * 0
+    return tuple(y + zero.astype(y.dtype) for y in ys)
+
 # %% ../nbs/01_model.ipynb #009772ce
+def _widened(a, b):
+    "`a` in float32, widened only once `b` exists (`after`)."
+    return a if a.dtype == jnp.float32 or b.size == 0 else after(b, a.astype(jnp.float32))[0]
+
 def einsum32(spec: str, a, b):
     "`jnp.einsum(spec, a, b)` accumulated in float32, from the inputs' own dtype (widened first on a CPU that cannot)."
     if (a.dtype, b.dtype) != (jnp.float32,) * 2 and backend() == "cpu" and not cpu_mixed_products():
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        a, b = _widened(a, b), _widened(b, a)   # each once the other exists: one layer's weights at a time
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 # %% ../nbs/01_model.ipynb #ae3175e0
@@ -536,6 +547,8 @@ class KVCache(NamedTuple):
         T, C, at = k.shape[3], self.chunk, self.length
         if T == 1:   # decoding: one slot, one dynamic_update_slice
             put = lambda buf, x: jax.lax.dynamic_update_slice(buf, x[:, None].astype(buf.dtype), (0, at // C, 0, 0, at % C, 0))
+        elif backend() == "cpu" and not cpu_mixed_products():   # jaxlib 0.7's CPU scatter copies the cache, transposed
+            put = lambda buf, x: _write_in_turn(buf, x, at)
         else:        # a prompt may span chunks: scattered slot by slot, straight from the blocks' layout (no transposed copy)
             s = at + jnp.arange(T)
             put = lambda buf, x: jax.lax.scatter(buf, jnp.stack([s // C, s % C], 1), x.astype(buf.dtype), _SLOTS,
@@ -543,12 +556,13 @@ class KVCache(NamedTuple):
         return KVCache(put(self.k, k), put(self.v, v), jax.lax.dynamic_update_slice(self.valid, live, (0, at)),
                        at + T, self.next_pos + live.sum(1, dtype=jnp.int32))
 
-# %% ../nbs/01_model.ipynb #7a9be614
-def after(x: jax.Array, *ys) -> tuple:
-    "`ys` unchanged, but computed after `x`: each plus a zero taken from `x` (a zero even where `x` is NaN or infinite)."
-    x0 = x[(0,) * x.ndim]
-    zero = jnp.where(jnp.isfinite(x0), x0, 0) * 0
-    return tuple(y + zero.astype(y.dtype) for y in ys)
+# %% ../nbs/01_model.ipynb #c0ffee71
+def _write_in_turn(buf, x, at):
+    "`x` `[n_layer, B, n_kv_head, T, d_head]` into cache buffer `buf` at slots `[at, at + T)`, one slot at a time, in place."
+    C, x = buf.shape[4], x.astype(buf.dtype)
+    one = lambda t, buf: jax.lax.dynamic_update_slice(
+        buf, jax.lax.dynamic_slice_in_dim(x, t, 1, axis=3)[:, None], (0, (at + t) // C, 0, 0, (at + t) % C, 0))
+    return jax.lax.fori_loop(0, x.shape[3], one, buf)
 
 # %% ../nbs/01_model.ipynb #5e03deaf
 def _attend_cached(q, k, v, mask, cache: KVCache, layer, read: str = "chunks", seen=None) -> jax.Array:

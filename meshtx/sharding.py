@@ -11,7 +11,7 @@ import numpy as np
 import jax, jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .config import ModelConfig, family_name
-from .model import param_shapes, KVCache, LOSS_ROWS, n_loss_chunks, cache_dtype
+from .model import param_shapes, KVCache, LOSS_ROWS, n_loss_chunks, cache_dtype, cpu_mixed_products
 
 # %% auto #0
 __all__ = ['AXES', 'BATCH', 'PARTITION_RULES', 'ACTIVATION_SPECS', 'GiB', 'MiB', 'CHIPS', 'USABLE', 'NO_BF16', 'MP_RESIDUALS',
@@ -259,10 +259,11 @@ class MemoryPlan:
     _repr_pretty_ = lambda self, p, cycle: p.text(str(self))
 
 # %% ../nbs/03_sharding.ipynb #cef5e857
-def _rows_per_device(mode: str, batch: int, shards: int, notes: list) -> int:
-    "How many rows of the batch one device holds; a training batch that does not split over `shards` is replicated (noted)."
+def _rows_per_device(mode: str, batch: int, shards: int, notes: list, least: int = 1) -> int:
+    """How many rows of the batch one device holds; a training batch that does not split over `shards` is replicated (noted).
+    `least`: the fewest rows `generate` runs (2 for bf16 on a CPU, whose matrix library wants 2 rows to multiply bf16)."""
     if mode == "infer":   # `generate` pads the batch to a power of two, then to a multiple of dp × fsdp
-        return -(-(1 << max(0, batch - 1).bit_length()) // shards)
+        return -(-max(least, 1 << max(0, batch - 1).bit_length()) // shards)
     rows = batch // shards if batch % shards == 0 else batch   # a batch that does not split is replicated
     if rows == batch and shards > 1:
         notes.append(f"batch={batch} does not split over dp×fsdp = {shards}: every device holds and computes all "
@@ -349,6 +350,29 @@ def _float32_head(config: ModelConfig, mode: str, mp: int, device: str | None, c
                  f"the lm head's float32 copies counted ({copies})")
     return int(copies * config.d_model * config.n_vocab / mp * 4)
 
+# %% ../nbs/03_sharding.ipynb #9dc83d6c
+def _cpu_widened(config: ModelConfig, shapes: dict, mp: int, backend: str, compute_dtype, notes: list) -> int:
+    "Bytes of the float32 copies of one layer's weights, or the head, on a CPU that widens bf16 products (jaxlib 0.7); noted."
+    if backend != "cpu" or jnp.dtype(compute_dtype) == jnp.float32 or cpu_mixed_products(): return 0
+    layer = sum(math.prod(x.shape[1:]) for m, ps in shapes.items() if "/blocks/" in m for x in ps.values())
+    notes.append("on this CPU (a jaxlib without bf16 × bf16 → float32 products): every product widens its inputs to "
+                 "float32, one layer's weights or the head at a time; the larger copy counted")
+    return max(layer, config.d_model * config.n_vocab) * 4 // mp
+
+# %% ../nbs/03_sharding.ipynb #d0fac585
+def _backend_notes(backend: str, mode: str, mp: int, notes: list):
+    "Add to `notes` what `plan` assumes of `backend` for `mode` at tensor parallelism `mp` (the counts themselves are below)."
+    if backend == "cpu" and mode != "train":
+        notes.append("on a CPU: the " + ("frozen " if mode == "lora" else "") + "blocks' weights are read in place, one "
+                     "layer at a time" + ("" if cpu_mixed_products() else ", each widened to float32 in turn")
+                     + ("; the KV cache is float32" if mode == "infer" else ""))
+    if backend in ("tpu", "gpu") and mode != "infer":
+        notes.append(f"on a {backend.upper()}: the loss's logits are computed a chunk at a time and freed before the blocks' backward")
+    if backend in ("tpu", "gpu") and mode != "infer" and mp > 1:
+        r = MP_RESIDUALS[backend]; share = "the saved residuals again" if r == 1 else f"{r:g} of the saved residuals again"
+        notes.append(f"on a {backend.upper()} with mp={mp}: the blocks' backward holds replicated [tokens, d_model] "
+                     f"buffers, counted as {share} (measured); fsdp uses less")
+
 # %% ../nbs/03_sharding.ipynb #73ddd41a
 def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batch: int = 1, seq: int | None = None,
          device: str | None = None, param_dtype=None, opt_dtype="float32", compute_dtype="bfloat16",
@@ -361,11 +385,6 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     if device is not None and device not in CHIPS: raise ValueError(f"unknown device {device!r}; known: {sorted(CHIPS)}")
     notes = []
     backend = backend or (None if device is None else "tpu" if device.startswith("tpu") else "gpu") or jax.default_backend()
-    if backend == "cpu" and mode != "train":   # what the numbers below assume there
-        notes.append("on a CPU: the " + ("frozen " if mode == "lora" else "") + "blocks' weights are read in place, one "
-                     "layer at a time (no float32 copies)" + ("; the KV cache is float32" if mode == "infer" else ""))
-    if backend in ("tpu", "gpu") and mode != "infer":
-        notes.append(f"on a {backend.upper()}: the loss's logits are computed a chunk at a time and freed before the blocks' backward")
     seq = seq or config.n_ctx
     if seq > config.n_ctx: raise ValueError(f"seq={seq} is longer than the model's context n_ctx={config.n_ctx}")
     if batch < 1 or seq < 1: raise ValueError(f"batch={batch} and seq={seq} must be at least 1")
@@ -377,13 +396,11 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
         if asked: raise ValueError(f"plan got a mesh of {axes} and also {asked}: give a mesh or axis sizes, not both")
     else: axes = choose_axes(int(mesh_or_devices), dp, fsdp, mp, config, mode)
     grid = _Grid(axes)
-    if backend in ("tpu", "gpu") and mode != "infer" and axes["mp"] > 1:
-        r = MP_RESIDUALS[backend]; share = "the saved residuals again" if r == 1 else f"{r:g} of the saved residuals again"
-        notes.append(f"on a {backend.upper()} with mp={axes['mp']}: the blocks' backward holds replicated [tokens, d_model] "
-                     f"buffers, counted as {share} (measured); fsdp uses less")
+    _backend_notes(backend, mode, axes["mp"], notes)
     remat = config.remat if remat is None else bool(remat)
     shards = axes["dp"] * axes["fsdp"]
-    rows = _rows_per_device(mode, batch, shards, notes)
+    least = 2 if prompt and backend == "cpu" and jnp.dtype(compute_dtype) != jnp.float32 else 1   # as `generate` pads
+    rows = _rows_per_device(mode, batch, shards, notes, least)
     if param_dtype is None: param_dtype = "float32" if mode == "train" else "bfloat16"
     shapes = param_shapes(config)
     specs = param_specs(shapes, grid)
@@ -394,6 +411,9 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     kv_c = _nbytes(cache_dtype(config.replace(compute_dtype=str(jnp.dtype(compute_dtype))), backend))   # float32 on a CPU
     b.update(_working_bytes(config, shapes, axes, mode, batch, rows, seq, compute_dtype, kv_c, prompt, backend))
     wide = _float32_head(config, mode, axes["mp"], device, compute_dtype, notes)   # 0 but on a T4, V100 or P100
+    widened = _cpu_widened(config, shapes, axes["mp"], backend, compute_dtype, notes)   # 0 but on a CPU of jaxlib 0.7
+    wide += widened
+    if mode == "train": b["updates"] += widened   # XLA:CPU's schedule keeps a layer's copies beside the update (measured)
     b["activations"] += wide; b["activations_no_remat"] += wide
     b["total"] = (b["params"] + b["opt_state"] + b["grads"] + b["gathered"] + b["kv_cache"]   # updates reuse the activations' memory
                   + max(b["updates"], b["activations"] if remat else b["activations_no_remat"]))

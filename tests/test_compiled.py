@@ -2,7 +2,7 @@
 (a `Trainer` on a real model, `lm.logits`, `generate`'s prefill) compile, on one device and on every mesh shape, for
 GPT-J and a grouped-query family; it refuses what cannot be compiled, naming why; and at GPT-J-6B's own shape it
 compiles on this CPU without allocating, the weights read in place (no whole-stack conversions among the temporaries)."""
-import os, subprocess, sys
+import importlib.util, os, subprocess, sys
 import numpy as np
 import pytest
 import jax, jax.numpy as jnp
@@ -94,14 +94,16 @@ def test_what_cannot_compile_is_refused_by_name():
 
 def test_gptj_6b_compiles_without_its_weights():
     """GPT-J-6B's own shape, bf16, on this CPU: the weights are the arguments, and they are read in place. (Not under
-    jax 0.7.2: its XLA:CPU cannot multiply bf16 into float32, so `einsum32` widens every weight, and its buffer
-    assignment gave every layer's float32 copies their own memory: 21.8 GiB of temporaries, measured.)"""
+    jax 0.7.2: its XLA:CPU cannot multiply bf16 into float32, so `einsum32` widens the weights, one layer's at a time,
+    and the head: 0.79 GiB of temporaries, measured; `test_working_memory_does_not_grow_with_depth` covers it.)"""
     c = compiled_memory("gptj-6b", 1, "infer", 1, 128)
     weights = 6_050_882_784 * 2
     assert abs(c.arguments - weights) < 2**20 * 8, c.arguments       # the weights, and 128 token ids
     assert c.temporaries < 0.01 * weights, c.temporaries             # no float32 copy of any stack: 0.2 % measured
     assert 0.95 <= c.plan.total / c.total <= 1.1, (c.plan.total, c.total)
     assert c.fits("h100")
+    g = compiled_memory("gptj-6b", 1, "infer", 1, 2048, prompt=32)   # generate's prefill: a lone bf16 row runs as two here
+    assert 0.97 <= g.plan.total / g.total <= 1.03, (g.plan.total, g.total)   # 1.000 measured (0.88 counting one row)
 
 
 def test_meshtx_plan_compile():
@@ -111,3 +113,66 @@ def test_meshtx_plan_compile():
     assert r.returncode == 0, r.stderr[-2000:]
     assert "mode=train, mesh dp=1 fsdp=8 mp=1 (8 devices)" in r.stdout                       # the plan, then
     assert "XLA's compiled program: mode=train, mesh dp=1 fsdp=8 mp=1, batch=8, seq=64" in r.stdout and "× XLA's" in r.stdout
+
+
+LIBTPU = os.environ.get("MESHTX_LIBTPU", os.path.expanduser("~/.cache/meshtx/libtpu"))
+
+
+@pytest.mark.parametrize("name, says", [("v5e8", "expected a chip and its shape"), ("v5e:2x4", "pip install 'jax[tpu]'")])
+def test_meshtx_plan_topology_refuses_by_name(name, says):
+    """Without libtpu (CI has none) a topology is refused with what to install; a name JAX would not parse, always."""
+    if says.startswith("pip") and importlib.util.find_spec("libtpu") is not None: pytest.skip("libtpu is installed here")
+    exe = os.path.join(os.path.dirname(sys.executable), "meshtx")
+    r = subprocess.run([exe, "plan", "--preset", "tiny", "--topology", name], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, MESHTX_CACHE_DIR="off"))
+    assert r.returncode == 2 and f"meshtx: error: TPU topology {name!r}" in r.stderr and says in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+def test_a_slice_smaller_than_a_host_is_its_own_host(monkeypatch):
+    """libtpu lays topologies out in hosts of 2 × 2 chips unless told otherwise; `v5e:1x1` (one chip, Colab's) gets bounds
+    of its own shape. Here libtpu's answer is played by a stand-in that refuses as libtpu 0.0.42.1 does (measured)."""
+    from jax.experimental import topologies
+    from meshtx import compiled
+    calls = []
+    def desc(platform, topology_name, chips_per_host_bounds=None):
+        calls.append((topology_name, chips_per_host_bounds))
+        if chips_per_host_bounds is None and topology_name.endswith("1x1"):
+            raise RuntimeError(f'INVALID_ARGUMENT: Topology layout "{topology_name}" is not divisible by the given (or '
+                               'default) chips_per_host_bounds "2x2x1"')
+        if topology_name.startswith("v9"): raise RuntimeError("INVALID_ARGUMENT: unknown chip v9")
+        return type("Topology", (), dict(devices=[topology_name]))
+    monkeypatch.setattr(topologies, "get_topology_desc", desc)
+    monkeypatch.setattr(compiled.importlib.util, "find_spec", lambda name: object())
+    assert compiled.tpu_topology("v5e:2x4") == ["v5e:2x4"] and calls == [("v5e:2x4", None)]
+    assert compiled.tpu_topology("v5e:1x1") == ["v5e:1x1"] and calls[-1] == ("v5e:1x1", [1, 1, 1])
+    with pytest.raises(ValueError, match="TPU topology 'v9:2x2': INVALID_ARGUMENT: unknown chip v9"):
+        compiled.tpu_topology("v9:2x2")
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(LIBTPU, "libtpu")), reason="needs libtpu (bench/tpu_plan.sh installs it)")
+def test_meshtx_plan_compiles_for_one_v5e_chip_that_is_not_here():
+    """With libtpu on the path (no TPU), `--topology v5e:1x1` compiles Colab's single chip's program on this CPU."""
+    exe = os.path.join(os.path.dirname(sys.executable), "meshtx")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([LIBTPU, os.environ.get("PYTHONPATH", "")]), JAX_PLATFORMS="cpu",
+               MESHTX_CACHE_DIR="off", XLA_FLAGS="")
+    r = subprocess.run([exe, "plan", "--preset", "tiny", "--mode", "lora", "--seq", "64", "--topology", "v5e:1x1"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "fits: tpu-v5e yes" in r.stdout and "XLA's compiled program: mode=lora, mesh dp=1 fsdp=1 mp=1" in r.stdout
+
+
+@pytest.mark.compat   # also under jax 0.7.2, whose XLA:CPU widens bf16 weights to float32 for every product
+@pytest.mark.parametrize("mode", ["infer", "lora", "prefill"])
+def test_working_memory_does_not_grow_with_depth(mode):
+    """At GPT-J-6B's width, three layers need no more working memory than one: each layer's weights are read (or, under
+    jaxlib 0.7, widened) one layer at a time, and a prompt is written into the cache in place. Widened freely, 0.7.2's
+    scheduler kept every layer's float32 copies alive at once (0.75 GiB more per layer, 21.8 GiB at 28 layers), and its
+    scatter copied the whole cache, transposed (4.0 GiB at 28 layers and 2048 slots); measured."""
+    cfg = ModelConfig.preset("gptj-6b")
+    kw = dict(lora_rank=8, remat=True) if mode == "lora" else dict(prompt=32) if mode == "prefill" else {}
+    seq = 2048 if mode == "prefill" else 128
+    one, three = (compiled_memory(cfg.replace(n_layer=n), 1, mode.replace("prefill", "infer"), 1, seq, **kw).temporaries
+                  for n in (1, 3))
+    layer = 12 * cfg.d_model ** 2 * 2                                    # one layer's bf16 weights: 0.375 GiB
+    assert three - one < 0.1 * layer, (one / 2**30, three / 2**30)

@@ -5,7 +5,7 @@ import pytest
 import jax
 import optax
 from meshtx import LM, ModelConfig, gptj, init_params
-from meshtx.model import cross_entropy, KVCache
+from meshtx.model import cross_entropy, KVCache, param_shapes
 from meshtx.sharding import (make_mesh, param_shardings, activation_hint, batch_sharding, opt_state_shardings,
                              plan, kv_cache_shardings)
 from test_parity import scaled_params
@@ -288,7 +288,9 @@ def test_plan_of_a_bf16_full_step_on_cpu_matches_xla(family):
     kw = dict(mode="train", batch=1, seq=64, param_dtype="bfloat16", opt_dtype="bfloat16", remat=True)
     p = plan(cfg, 1, backend="cpu", **kw)
     assert 0.9 * xla <= p.total <= 1.1 * xla, (p.total, xla, p.bytes)
-    assert p.bytes["updates"] == 2 * p.bytes["params"] and any("float32" in n for n in p.notes)
+    from meshtx.sharding import _cpu_widened   # one layer's float32 copies beside the update where jaxlib 0.7 widens (else 0)
+    widened = _cpu_widened(cfg, param_shapes(cfg), 1, "cpu", "bfloat16", [])
+    assert p.bytes["updates"] == 2 * p.bytes["params"] + widened and any("float32" in n for n in p.notes)
     tpu = plan(cfg, 1, backend="tpu", **kw)
     assert tpu.bytes["updates"] == 0 and any("fused" in n for n in tpu.notes) and tpu.total < p.total   # measured there
 
