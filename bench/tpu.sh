@@ -8,6 +8,7 @@
 #           PART=6: full steps at shapes and meshes the plan's TPU rules were not chosen on (tpu_steps.py; v5e-8 compiled
 #           for its topology from one chip); PART=7: LoRA steps (rank 8) on the v5e-8 at every mesh shape (about 7 minutes)
 #           PART=8: meshtx.compiled.compiled_memory on the chip and for a v5e-8 topology, against PART 1-7's figures
+#           PART=9, 10: every TPU step tests/test_sharding.py holds, compiled again (two halves; after a model change)
 # Each step has its own time limit so one slow step cannot eat the others. One program at a time holds the chip.
 set -uo pipefail
 cd "$(dirname "$0")"
@@ -52,6 +53,11 @@ elif [ "${PART}" = 7 ]; then
   echo "## $(date +%T) tpu_steps.py aot, LoRA" | tee -a "$LOG"
   timeout 280 python3 tpu_steps.py aot '{"topology_name": "v5e:2x4"}' '[["gptj-6b",8,2048,"bfloat16",8,1,null,8],["gptj-6b",8,2048,"bfloat16",4,2,null,8],["gptj-6b",8,2048,"bfloat16",2,4,null,8],["gptj-6b",8,2048,"bfloat16",1,8,null,8],["gptj-6b",8,2048,"bfloat16",1,1,null,8],["llama-3.2-1b",8,2048,"bfloat16",8,1,null,8],["llama-3.2-1b",8,2048,"bfloat16",4,2,null,8],["llama-3.2-1b",8,2048,"bfloat16",1,8,null,8],["llama-3.2-1b",8,2048,"bfloat16",1,1,null,8],["qwen2.5-0.5b",8,2048,"bfloat16",4,2,null,8]]' 2>&1 | grep -E "^ROW|Error" | tee -a "$LOG"
   timeout 280 python3 tpu_steps.py aot '{"topology_name": "v5e:2x4"}' '[["llama-3.1-8b",8,2048,"bfloat16",8,1,null,8],["llama-3.1-8b",8,2048,"bfloat16",4,2,null,8],["llama-3.1-8b",8,2048,"bfloat16",1,8,null,8],["mistral-7b",8,2048,"bfloat16",8,1,null,8],["mistral-7b",8,2048,"bfloat16",1,8,null,8],["qwen2.5-7b",8,2048,"bfloat16",8,1,null,8],["qwen2.5-7b",8,2048,"bfloat16",2,4,null,8],["pythia-6.9b",8,2048,"bfloat16",2,4,null,8],["gptj-6b",16,2048,"bfloat16",4,2,null,8],["llama-3.2-3b",8,4096,"bfloat16",4,2,null,8]]' 2>&1 | grep -E "^ROW|Error" | tee -a "$LOG"
+elif [ "${PART}" = 9 ] || [ "${PART}" = 10 ]; then
+  # every TPU step tests/test_sharding.py holds, compiled again for its topology (after a model change), 6 processes at
+  # once on the host's cores: PART=9 the first half, PART=10 the second
+  echo "## $(date +%T) tpu_steps.py tables" | tee -a "$LOG"
+  timeout 570 python3 tpu_steps.py tables 6 "$((PART - 9))/2" 2>&1 | grep -E "^ROW|Error" | tee -a "$LOG"
 elif [ "${PART}" = 8 ]; then
   echo "## $(date +%T) tpu_steps.py compiled" | tee -a "$LOG"
   timeout 400 python3 tpu_steps.py compiled '[["gptj-6b","lora",1,2048,"bfloat16",1,1,8,null,13.156],["qwen2.5-0.5b","train",1,2048,"bfloat16",1,1,0,null,4.877],["llama-3.2-1b","train",4,512,"bfloat16",1,1,0,null,11.457],["gptj-6b","lora",8,2048,"bfloat16",8,1,8,"v5e:2x4",3.587],["gptj-6b","lora",8,2048,"bfloat16",1,8,8,"v5e:2x4",8.733],["gptj-6b","train",8,2048,"bfloat16",8,1,0,"v5e:2x4",8.137],["llama-3.2-1b","train",8,2048,"bfloat16",4,2,0,"v5e:2x4",2.549]]' 2>&1 | grep -E "^ROW|Error" | tee -a "$LOG"

@@ -7,6 +7,8 @@
     python tpu_steps.py aot '{"topology_name": "v5e:2x4"}' '[["gptj-6b", 8, 2048, "bfloat16", 8, 1, null], ...]'
                                                   # ... fsdp, mp, layers (dp: the rest): Kaggle's v5e-8 from one chip;
                                                   # an 8th item, a rank, makes it a LoRA step
+    python tpu_steps.py tables [JOBS [i/n]]       # every TPU step tests/test_sharding.py holds (or the i-th of n slices),
+                                                  # compiled again for its topology (v5e:1x1 or v5e:2x4) in JOBS processes
 
 Each result is a line `ROW {json}` (GiB per chip: XLA's total = arguments + outputs - aliases + temporaries). The
 figures in tests/test_sharding.py's TPU_V5E_FULL_STEPS and TPU_V5E_LORA_MESH_STEPS came from these (bench/RESULTS.md,
@@ -67,6 +69,47 @@ def compiled(rows):
                  plan_over_xla=round(c.plan.total / c.total, 3), s=round(time.time() - t0, 1))
         except Exception as e: emit(kind="compiled", name=name, mode=mode, topo=topo, error=f"{type(e).__name__}: {str(e)[:500]}")
 
+def recorded_points(path=None):
+    """The TPU steps tests/test_sharding.py holds, read from its source (nothing imported), each as
+    (table, preset, layers, mode, dtype, batch, seq, dp, fsdp, mp, recorded GiB)."""
+    import ast, pathlib
+    path = path or pathlib.Path(__file__).parent.parent / "tests" / "test_sharding.py"
+    tables = {n.targets[0].id: ast.literal_eval(n.value) for n in ast.parse(open(path).read()).body
+              if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and n.targets[0].id.startswith("TPU_")}
+    pts = [("TPU_V5E_STEPS", n, None, m, "bfloat16", B, T, 1, 1, 1, x) for n, m, B, T, x in tables["TPU_V5E_STEPS"]]
+    pts += [("TPU_V5E_FULL_STEPS", n, L, "train", d, B, T, dp, f, mp, x) for n, L, d, B, T, dp, f, mp, x in tables["TPU_V5E_FULL_STEPS"]]
+    pts += [("TPU_V5E_LORA_MESH_STEPS", n, None, "lora", "bfloat16", B, T, dp, f, mp, x) for n, B, T, dp, f, mp, x in tables["TPU_V5E_LORA_MESH_STEPS"]]
+    pts += [("TPU_V5E8_COMPILED_HERE", n, None, m, d, B, T, dp, f, mp, x) for n, m, d, B, T, dp, f, mp, x in tables["TPU_V5E8_COMPILED_HERE"]]
+    return pts
+
+def points(pts):
+    "Each recorded point compiled again (`compiled_memory` for a v5e topology, LoRA rank 8): a ROW with XLA's GiB now."
+    from meshtx.compiled import compiled_memory, tpu_topology
+    for table, name, layers, mode, dtype, B, T, dp, fsdp, mp, before in pts:
+        try:
+            cfg = meshtx.ModelConfig.preset(name).replace(param_dtype=dtype, compute_dtype="bfloat16", remat=True)
+            cfg = cfg.replace(n_layer=layers) if layers else cfg
+            n = dp * fsdp * mp
+            kw = dict(lora_rank=8) if mode == "lora" else dict(opt_dtype=dtype)
+            t0 = time.time()
+            c = compiled_memory(cfg, n, mode, B, T, param_dtype=dtype, remat=True, dp=dp, fsdp=fsdp, mp=mp,
+                                devices=tpu_topology("v5e:1x1" if n == 1 else "v5e:2x4"), **kw)
+            emit(kind="table", table=table, name=name, layers=layers, mode=mode, dtype=dtype, B=B, T=T, dp=dp, fsdp=fsdp, mp=mp,
+                 before=before, xla=round(c.total / 2**30, 4), plan=round(c.plan.total / 2**30, 4),
+                 plan_over_xla=round(c.plan.total / c.total, 3), s=round(time.time() - t0, 1))
+        except Exception as e: emit(kind="table", table=table, name=name, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+def tables(jobs, share="0/1"):
+    """`points` over every recorded point (`share` "i/n": the i-th of n slices), in `jobs` processes at once, each
+    printing its rows as they come (compiling needs no chip: JAX_PLATFORMS=cpu)."""
+    import os, subprocess
+    i, n = map(int, share.split("/"))
+    pts = recorded_points()[i::n]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}   # no lockfile
+    procs = [subprocess.Popen([sys.executable, __file__, "points", json.dumps(pts[j::jobs])], env=env, stderr=subprocess.DEVNULL)
+             for j in range(jobs)]
+    for p in procs: p.wait()
+
 if __name__ == "__main__":
     part = sys.argv[1]
     if part == "topo":
@@ -78,6 +121,10 @@ if __name__ == "__main__":
         for name, B, T, dtype, layers in json.loads(sys.argv[2]): single(name, B, T, dtype, layers)
     elif part == "compiled":
         compiled(json.loads(sys.argv[2]))
+    elif part == "points":
+        points(json.loads(sys.argv[2]))
+    elif part == "tables":
+        tables(*([int(sys.argv[2])] + sys.argv[3:4]) if len(sys.argv) > 2 else [4])
     elif part == "aot":
         kw = json.loads(sys.argv[2])
         for name, B, T, dtype, fsdp, mp, layers, *lora in json.loads(sys.argv[3]):

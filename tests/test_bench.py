@@ -78,3 +78,23 @@ def test_products_benchmark_prints_its_table(tmp_path):
     assert len(rows) == 1 and all(float(x) > 0 for x in rows[0].split("|")[3:7]), r.stdout
     (row,) = [json.loads(l) for l in open(tmp_path / "p.jsonl")]
     assert row["product"] == "out" and row["rows"] == 2 and row["meshtx_ms"] > 0 and row["torch_ms"] > 0
+
+
+def test_tpu_steps_reads_every_recorded_tpu_point():
+    """`bench/tpu_steps.py tables` compiles again every TPU step tests/test_sharding.py holds (after a model change, on a
+    TPU host or anywhere libtpu is). It reads them from that file's source: all four tables, every field in place."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import tpu_steps
+    finally:
+        sys.path.remove(str(BENCH))
+    import test_sharding as t
+    pts = tpu_steps.recorded_points()
+    tables = {"TPU_V5E_STEPS": t.TPU_V5E_STEPS, "TPU_V5E_FULL_STEPS": t.TPU_V5E_FULL_STEPS,
+              "TPU_V5E_LORA_MESH_STEPS": t.TPU_V5E_LORA_MESH_STEPS, "TPU_V5E8_COMPILED_HERE": t.TPU_V5E8_COMPILED_HERE}
+    assert [p[0] for p in pts] == [name for name, rows in tables.items() for _ in rows]
+    assert [p[-1] for p in pts] == [row[-1] for rows in tables.values() for row in rows]   # the recorded GiB
+    for table, name, layers, mode, dtype, B, T, dp, fsdp, mp, gib in pts:
+        assert mode in ("train", "lora") and dtype in ("bfloat16", "float32") and dp * fsdp * mp in (1, 8), (table, name)
+    assert ("TPU_V5E_FULL_STEPS", "gptj-6b", 4, "train", "bfloat16", 1, 256, 1, 1, 1, 9.537) in pts
+    assert ("TPU_V5E_LORA_MESH_STEPS", "gptj-6b", None, "lora", "bfloat16", 8, 2048, 1, 2, 4, 5.323) in pts
