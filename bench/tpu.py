@@ -279,10 +279,8 @@ def emit(row: dict, path=None):
         with open(path, "a") as f: f.write(line + "\n")
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["parity-child"]:
-        import numpy as np
-        np.savez(sys.argv[2], **parity_results(sys.argv[3].split(","), full=sys.argv[4] == "1")); sys.exit()
+def main(argv=None):
+    "One command (`sys.argv` by default; the tests run several in one process)."
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("parity"); a.add_argument("--json")
@@ -299,5 +297,12 @@ if __name__ == "__main__":
     a = sub.add_parser("loss", help="the training loss's share of the step: XLA against the plan")
     a.add_argument("presets", nargs="+"); a.add_argument("--seq", type=int, default=2048); a.add_argument("--json")
     a.add_argument("--layers", type=int, default=2, help="blocks in the step (0: the preset's); the loss does not depend on them")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     {"parity": parity, "row": row, "plan": plan_rows, "infer-plan": infer_plan_rows, "loss": loss_rows}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["parity-child"]:
+        import numpy as np
+        np.savez(sys.argv[2], **parity_results(sys.argv[3].split(","), full=sys.argv[4] == "1")); sys.exit()
+    main()
