@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 
-# The slowest files first (measured: seconds on two CI cores), so that pytest-xdist's two workers, which take a file at a
+# The slowest files first (by their measured seconds on two cores), so that pytest-xdist's two workers, which take a file at a
 # time (tools/test.sh: --dist loadfile --no-loadscope-reorder), finish together instead of one waiting on the other's
 # last big file. Files not named run after these, in their usual order.
 SLOWEST_FIRST = ("test_families_frontends", "test_bench", "test_cli", "test_train", "test_bench_scale", "test_compiled",

@@ -7,7 +7,7 @@ import pytest
 @pytest.mark.slow
 def test_demo_learns(tmp_path):
     # as a user runs it: one CPU device, and XLA's full optimizations (tools/test.sh turns most off to compile faster;
-    # this test is mostly running the compiled steps, which then take twice as long)
+    # this test is mostly running the compiled steps, which then take over twice as long)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")}
     exe = Path(sys.executable).parent / "meshtx"
     t0 = time.monotonic()
