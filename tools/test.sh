@@ -16,7 +16,8 @@ export XLA_FLAGS="$user_xla_flags --xla_cpu_collective_call_warn_stuck_timeout_s
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # most of the run is XLA compiling small programs: skip LLVM's costlier optimizations (JAX's own flag; measured on two
 # cores: the system tests' sum 2877 -> 2359 s). It leaves XLA's HLO passes alone (jax/_src/compiler.py), and the tests
-# of XLA's buffer figures pass as before; the code they run is slower (the demo's training 113 -> 256 s), so tests/test_demo.py takes it back out.
+# of XLA's buffer figures pass as before. The code runs slower (the demo's training 113 -> 256 s), so tests/test_demo.py
+# takes it back out.
 export JAX_DISABLE_MOST_OPTIMIZATIONS="${JAX_DISABLE_MOST_OPTIMIZATIONS:-1}"
 
 echo "== notebooks and package agree [at ${SECONDS}s]"
