@@ -101,3 +101,20 @@ def test_tpu_steps_reads_every_recorded_tpu_point():
         assert mode in ("train", "lora") and dtype in ("bfloat16", "float32") and dp * fsdp * mp in (1, 8), (table, name)
     assert ("TPU_V5E_FULL_STEPS", "gptj-6b", 4, "train", "bfloat16", 1, 256, 1, 1, 1, 9.537) in pts
     assert ("TPU_V5E_LORA_MESH_STEPS", "gptj-6b", None, "lora", "bfloat16", 8, 2048, 1, 2, 4, 5.323) in pts
+
+
+def test_xla_peak_names_the_buffers_at_a_programs_peak(tmp_path):
+    """`bench/xla_peak.py` reads XLA's dump of a program (buffer assignment, live ranges, optimized HLO) and says which
+    buffers are live at its peak, phase by phase. Here XLA:CPU's dump of a program whose one large temporary is known:
+    `tanh(x @ xᵀ)` is 1024 × 1024 float32 (4 MiB) and must exist whole before it multiplies `x` again."""
+    code = ("import jax, jax.numpy as jnp\n"
+            "def step(x): return jnp.tanh(x @ x.T) @ x\n"
+            "jax.jit(step)(jnp.ones((1024, 64), jnp.float32)).block_until_ready()\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_dump_to={tmp_path}"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    out = subprocess.run([sys.executable, str(BENCH / "xla_peak.py"), str(tmp_path)], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    peak = float(out.split("live peak ")[1].split(" GiB")[0])
+    # the product, and the output (0.25 MiB): tanh writes in place (two values in one slot count once, not 8 MiB)
+    assert 4 / 1024 <= peak < 5 / 1024, out
+    assert any("4.0 MiB" in line and "f32[1024,1024]" in line for line in out.splitlines()), out
