@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/model.html.md"""
 
 # %% ../nbs/01_model.ipynb #21ec71ac
 from __future__ import annotations
-import contextlib, contextvars, math
+import contextlib, contextvars, math, os, time
 from functools import cache, partial
 from typing import NamedTuple
 import numpy as np
@@ -17,11 +17,12 @@ from .config import ModelConfig, LoRAConfig
 
 # %% auto #0
 __all__ = ['FEW_ROWS', 'ACTIVATIONS', 'REMAT_POLICY', 'LOSS_ROWS', 'BLOCKS', 'rotary_angles', 'rotary_frequencies',
-           'apply_rotary', 'backend', 'compiling_for', 'after', 'einsum32', 'times_wt', 'attend', 'self_attention',
-           'dense', 'low_rank', 'lora_update', 'linear', 'layer_norm', 'rms_norm', 'norm', 'gelu_new', 'no_hint', 'mlp',
-           'block', 'add_bias', 'lm_head', 'layer_window', 'self_mask', 'scan_blocks', 'GPTJ', 'gptj', 'init_params',
-           'param_shapes', 'cpu_mixed_products', 'cross_entropy', 'n_loss_chunks', 'fused_cross_entropy', 'cache_dtype',
-           'KVCache', 'cache_read', 'attend_cached', 'split_layers', 'remat_in_turn', 'run_layers']
+           'apply_rotary', 'backend', 'compiling_for', 'after', 'einsum32', 'cpu_mixed_products', 'cpu_weights_first',
+           'times_wt', 'attend', 'self_attention', 'dense', 'low_rank', 'lora_update', 'linear', 'layer_norm',
+           'rms_norm', 'norm', 'gelu_new', 'no_hint', 'mlp', 'block', 'add_bias', 'lm_head', 'layer_window',
+           'self_mask', 'scan_blocks', 'GPTJ', 'gptj', 'init_params', 'param_shapes', 'cross_entropy', 'n_loss_chunks',
+           'fused_cross_entropy', 'cache_dtype', 'KVCache', 'cache_read', 'attend_cached', 'split_layers',
+           'remat_in_turn', 'run_layers']
 
 # %% ../nbs/01_model.ipynb #63414cbc
 def rotary_angles(positions: jax.Array, rotary_dim: int, base: float = 10000.0, inv_freq=None):
@@ -106,13 +107,49 @@ def einsum32(spec: str, a, b):
         a, b = _widened(a, b), _widened(b, a)   # each once the other exists: one layer's weights at a time
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
+# %% ../nbs/01_model.ipynb #36752527
+_PRODUCTS = (("...i,oi->...o", (1, 3, 8), (4, 8)), ("...o,...i->oi", (1, 3, 4), (1, 3, 8)), ("...o,oi->...i", (1, 3, 4), (4, 8)),
+             ("bthd,bshd->bhts", (1, 3, 2, 4), (1, 3, 2, 4)), ("bhts,bshd->bhtd", (1, 2, 3, 3), (1, 3, 2, 4)),
+             ("bthd,bhsd->bhts", (1, 3, 2, 4), (1, 2, 5, 4)), ("bhts,bhsd->bhtd", (1, 2, 3, 5), (1, 2, 5, 4)),
+             ("nbhtd,nbhsd->nbhts", (2, 1, 2, 3, 4), (2, 1, 2, 5, 4)), ("nbhts,nbhsd->nbhtd", (2, 1, 2, 3, 5), (2, 1, 2, 5, 4)),
+             ("btv,btd->vd", (1, 3, 6), (1, 3, 8)), ("bt,btv->v", (1, 3), (1, 3, 6)), ("oi,ni->on", (4, 8), (3, 8)))
+
+@cache
+def cpu_mixed_products() -> bool:
+    "Whether this jaxlib's CPU backend multiplies bf16 by bf16 into float32 in every product the model uses."
+    with jax.ensure_compile_time_eval():   # run now, even when asked while a model is being traced
+        ones = lambda shape: jax.device_put(jnp.ones(shape, jnp.bfloat16), jax.devices("cpu")[0])
+        args = [(ones(a), ones(b)) for _, a, b in _PRODUCTS]
+        products = lambda args: [jnp.einsum(s, a, b, preferred_element_type=jnp.float32) for (s, _, _), (a, b) in zip(_PRODUCTS, args)]
+        try:
+            [np.asarray(r) for r in jax.jit(products)(args)]   # one small program, once; the error shows on reading
+            return True
+        except Exception: return False   # jaxlib 0.7: "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"
+
 # %% ../nbs/01_model.ipynb #ae3175e0
-FEW_ROWS = 16   # up to this many rows, a CPU multiplies weights-first (faster to 16 rows, even at 32, slower from 48)
+FEW_ROWS = 16   # up to this many rows, a CPU may multiply weights-first (faster to 16 rows on one machine, slower from 48)
+
+@cache
+def cpu_weights_first() -> bool:
+    """Whether this CPU multiplies a bf16 weight by a few rows faster weights-first (`w @ xᵀ`) than as `x @ wᵀ`: timed
+    once per process (2 rows, an `[8192, 4096]` weight, best of 5 each; weights-first must win by 10 %), unless
+    `MESHTX_CPU_WEIGHTS_FIRST` is `1` or `0`."""
+    if (told := os.environ.get("MESHTX_CPU_WEIGHTS_FIRST", "")) in ("0", "1"): return told == "1"
+    with jax.ensure_compile_time_eval():   # run now, even when asked while a model is being traced
+        cpu = jax.devices("cpu")[0]
+        w, x = (jax.device_put(jnp.ones(shape, jnp.bfloat16), cpu) for shape in ((8192, 4096), (2, 4096)))
+        forms = [jax.jit(lambda x, w: einsum32("oi,ni->on", w, x)), jax.jit(lambda x, w: einsum32("ni,oi->no", x, w))]
+        best = [math.inf] * len(forms)
+        for f in forms: f(x, w).block_until_ready()   # compiled before it is timed
+        for _ in range(5):
+            for i, f in enumerate(forms):
+                t = time.perf_counter(); f(x, w).block_until_ready(); best[i] = min(best[i], time.perf_counter() - t)
+    return best[0] < 0.9 * best[1]
 
 def times_wt(x, w):
-    "`x @ wᵀ` accumulated in float32, for `x` `[..., n_in]` and a weight `w` `[n_out, n_in]`; weights-first for a few rows on a CPU."
+    "`x @ wᵀ` accumulated in float32, for `x` `[..., n_in]` and a weight `w` `[n_out, n_in]`; weights-first for a few rows on a CPU that reads faster so."
     rows = math.prod(x.shape[:-1])
-    if rows > FEW_ROWS or backend() != "cpu": return einsum32("...i,oi->...o", x, w)
+    if rows > FEW_ROWS or backend() != "cpu" or not cpu_weights_first(): return einsum32("...i,oi->...o", x, w)
     y = einsum32("oi,ni->on", w, x.reshape(rows, x.shape[-1]))   # [n_out, rows]
     return jax.lax.optimization_barrier(y).T.reshape(*x.shape[:-1], w.shape[0])
 
@@ -417,25 +454,6 @@ def init_params(config: ModelConfig, seed: int = 0, shardings=None) -> dict:
 def param_shapes(config: ModelConfig) -> dict:
     "The parameter tree as `jax.ShapeDtypeStruct`s, computed without allocating anything."
     return jax.eval_shape(gptj(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
-
-# %% ../nbs/01_model.ipynb #36752527
-_PRODUCTS = (("...i,oi->...o", (1, 3, 8), (4, 8)), ("...o,...i->oi", (1, 3, 4), (1, 3, 8)), ("...o,oi->...i", (1, 3, 4), (4, 8)),
-             ("bthd,bshd->bhts", (1, 3, 2, 4), (1, 3, 2, 4)), ("bhts,bshd->bhtd", (1, 2, 3, 3), (1, 3, 2, 4)),
-             ("bthd,bhsd->bhts", (1, 3, 2, 4), (1, 2, 5, 4)), ("bhts,bhsd->bhtd", (1, 2, 3, 5), (1, 2, 5, 4)),
-             ("nbhtd,nbhsd->nbhts", (2, 1, 2, 3, 4), (2, 1, 2, 5, 4)), ("nbhts,nbhsd->nbhtd", (2, 1, 2, 3, 5), (2, 1, 2, 5, 4)),
-             ("btv,btd->vd", (1, 3, 6), (1, 3, 8)), ("bt,btv->v", (1, 3), (1, 3, 6)), ("oi,ni->on", (4, 8), (3, 8)))
-
-@cache
-def cpu_mixed_products() -> bool:
-    "Whether this jaxlib's CPU backend multiplies bf16 by bf16 into float32 in every product the model uses."
-    with jax.ensure_compile_time_eval():   # run now, even when asked while a model is being traced
-        ones = lambda shape: jax.device_put(jnp.ones(shape, jnp.bfloat16), jax.devices("cpu")[0])
-        args = [(ones(a), ones(b)) for _, a, b in _PRODUCTS]
-        products = lambda args: [jnp.einsum(s, a, b, preferred_element_type=jnp.float32) for (s, _, _), (a, b) in zip(_PRODUCTS, args)]
-        try:
-            [np.asarray(r) for r in jax.jit(products)(args)]   # one small program, once; the error shows on reading
-            return True
-        except Exception: return False   # jaxlib 0.7: "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"
 
 # %% ../nbs/01_model.ipynb #8e385857
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> jax.Array:

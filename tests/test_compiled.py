@@ -9,7 +9,7 @@ import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 from meshtx import LM, ModelConfig
 from meshtx.compiled import compiled_memory
-from meshtx.model import backend, cache_dtype, compiling_for, times_wt
+from meshtx.model import backend, cache_dtype, compiling_for, cpu_weights_first, times_wt
 from meshtx.sampling import _compiled
 from meshtx.sharding import BATCH, fit_spec, make_mesh
 from meshtx.train import Trainer
@@ -68,8 +68,27 @@ def test_inference_is_lm_logits_and_generates_prefill(shape, cfg):
 
 
 @pytest.mark.compat   # also under jax 0.7.2 (Colab's TPU image)
-def test_the_kernels_are_traced_for_the_target():
-    "Compiling for another backend's devices traces that backend's kernels (a GPU's step compiled on this CPU)."
+def test_the_kernels_are_traced_for_the_target(monkeypatch):
+    """Compiling for another backend's devices traces that backend's kernels (a GPU's step compiled on this CPU). The
+    CPU's weights-first products are asked for here (`MESHTX_CPU_WEIGHTS_FIRST=1`), not timed on this machine."""
+    monkeypatch.setenv("MESHTX_CPU_WEIGHTS_FIRST", "1"); cpu_weights_first.cache_clear()
+    try: _kernels_for_the_target()
+    finally: cpu_weights_first.cache_clear()
+
+
+def test_the_cpus_product_form_is_timed_once_or_told(monkeypatch):
+    "Weights-first or not is timed once per process (then cached), unless `MESHTX_CPU_WEIGHTS_FIRST` says which."
+    monkeypatch.delenv("MESHTX_CPU_WEIGHTS_FIRST", raising=False); cpu_weights_first.cache_clear()
+    try:
+        timed = cpu_weights_first()
+        assert isinstance(timed, bool) and cpu_weights_first() is timed and cpu_weights_first.cache_info().misses == 1
+        for told in ("0", "1"):
+            monkeypatch.setenv("MESHTX_CPU_WEIGHTS_FIRST", told); cpu_weights_first.cache_clear()
+            assert cpu_weights_first() == (told == "1")
+    finally: cpu_weights_first.cache_clear()
+
+
+def _kernels_for_the_target():
     x, w = jnp.ones((2, 8), jnp.bfloat16), jnp.ones((4, 8), jnp.bfloat16)
     barrier = lambda: "optimization_barrier" in str(jax.make_jaxpr(lambda x, w: times_wt(x, w))(x, w))   # traced anew
     assert backend() == "cpu" and barrier() and cache_dtype(GPTJ.replace(compute_dtype="bfloat16")) == "float32"
