@@ -72,13 +72,15 @@ def test_tpu_script_runs_on_the_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_products_benchmark_prints_its_table(tmp_path):
-    "bench/products.py: one of GPT-J-6B's products at 2 rows, meshtx's and torch's; a table row and a JSON line (no timing asserted)."
+    """bench/products.py: one of GPT-J-6B's products at 2 rows, meshtx's and torch's, then meshtx's two CPU forms
+    (`--forms`); a table row each and a JSON line (no timing asserted)."""
     import json
     r = subprocess.run([sys.executable, str(BENCH / "products.py"), "--rows", "2", "--repeats", "1", "--products", "out",
-                        "--json", str(tmp_path / "p.jsonl")], capture_output=True, text=True, timeout=300, cwd=BENCH)
+                        "--json", str(tmp_path / "p.jsonl"), "--forms"], capture_output=True, text=True, timeout=300, cwd=BENCH)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [l for l in r.stdout.splitlines() if l.startswith("| `out` [4096, 4096] | 2 |")]
-    assert len(rows) == 1 and all(float(x) > 0 for x in rows[0].split("|")[3:7]), r.stdout
+    assert all(float(x) > 0 for x in rows[0].split("|")[3:7]), r.stdout
+    assert len(rows) == 2 and all(float(x) > 0 for x in rows[1].split("|")[3:7]), r.stdout   # --forms: both of them
     (row,) = [json.loads(l) for l in open(tmp_path / "p.jsonl")]
     assert row["product"] == "out" and row["rows"] == 2 and row["meshtx_ms"] > 0 and row["torch_ms"] > 0
 
