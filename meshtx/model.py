@@ -118,7 +118,7 @@ _PRODUCTS = (("...i,oi->...o", (1, 3, 8), (4, 8)), ("...o,...i->oi", (1, 3, 4), 
 def cpu_mixed_products() -> bool:
     "Whether this jaxlib's CPU backend multiplies bf16 by bf16 into float32 in every product the model uses."
     with jax.ensure_compile_time_eval():   # run now, even when asked while a model is being traced
-        ones = lambda shape: jax.device_put(jnp.ones(shape, jnp.bfloat16), jax.devices("cpu")[0])
+        ones = lambda shape: jax.device_put(jnp.ones(shape, jnp.bfloat16), jax.local_devices(backend="cpu")[0])
         args = [(ones(a), ones(b)) for _, a, b in _PRODUCTS]
         products = lambda args: [jnp.einsum(s, a, b, preferred_element_type=jnp.float32) for (s, _, _), (a, b) in zip(_PRODUCTS, args)]
         try:
@@ -133,10 +133,12 @@ FEW_ROWS = 16   # up to this many rows, a CPU may multiply weights-first (faster
 def cpu_weights_first() -> bool:
     """Whether this CPU multiplies a bf16 weight by a few rows faster weights-first (`w @ xᵀ`) than as `x @ wᵀ`: timed
     once per process (2 rows, an `[8192, 4096]` weight, best of 5 each; weights-first must win by 10 %), unless
-    `MESHTX_CPU_WEIGHTS_FIRST` is `1` or `0`."""
+    `MESHTX_CPU_WEIGHTS_FIRST` is `1` or `0`. A multi-process job does not time (its processes might choose apart and
+    compile different programs): `x @ wᵀ` unless told."""
     if (told := os.environ.get("MESHTX_CPU_WEIGHTS_FIRST", "")) in ("0", "1"): return told == "1"
+    if jax.process_count() > 1: return False
     with jax.ensure_compile_time_eval():   # run now, even when asked while a model is being traced
-        cpu = jax.devices("cpu")[0]
+        cpu = jax.local_devices(backend="cpu")[0]
         w, x = (jax.device_put(jnp.ones(shape, jnp.bfloat16), cpu) for shape in ((8192, 4096), (2, 4096)))
         forms = [jax.jit(lambda x, w: einsum32("oi,ni->on", w, x)), jax.jit(lambda x, w: einsum32("ni,oi->no", x, w))]
         best = [math.inf] * len(forms)
