@@ -77,7 +77,8 @@ def test_the_kernels_are_traced_for_the_target(monkeypatch):
 
 
 def test_the_cpus_product_form_is_timed_once_or_told(monkeypatch):
-    "Weights-first or not is timed once per process (then cached), unless `MESHTX_CPU_WEIGHTS_FIRST` says which."
+    """Weights-first or not is timed once per process (then cached), unless `MESHTX_CPU_WEIGHTS_FIRST` says which; a
+    multi-process job takes `x @ wᵀ` without timing."""
     monkeypatch.delenv("MESHTX_CPU_WEIGHTS_FIRST", raising=False); cpu_weights_first.cache_clear()
     try:
         timed = cpu_weights_first()
@@ -85,6 +86,12 @@ def test_the_cpus_product_form_is_timed_once_or_told(monkeypatch):
         for told in ("0", "1"):
             monkeypatch.setenv("MESHTX_CPU_WEIGHTS_FIRST", told); cpu_weights_first.cache_clear()
             assert cpu_weights_first() == (told == "1")
+        # a multi-process job compiles one program in every process: it does not time (processes could choose apart)
+        monkeypatch.setattr(jax, "process_count", lambda: 2)
+        cpu_weights_first.cache_clear(); assert cpu_weights_first()   # told (1) still counts
+        monkeypatch.delenv("MESHTX_CPU_WEIGHTS_FIRST"); cpu_weights_first.cache_clear()
+        monkeypatch.setattr(jax, "local_devices", lambda **kw: pytest.fail("timed in a multi-process job"))
+        assert cpu_weights_first() is False
     finally: cpu_weights_first.cache_clear()
 
 
