@@ -288,16 +288,13 @@ def _tokens(d: dict) -> dict: return {k: _token(d, k) for k in ("eos_token_id", 
 
 # %% ../nbs/00_config.ipynb #fa000003
 def _from_gptj(d: dict) -> dict:
-    act = d.get("activation_function", "gelu_new")
-    if act != "gelu_new": raise ValueError(f"activation_function={act!r}: GPT-J uses 'gelu_new'")
-    if d.get("tie_word_embeddings", False):
-        raise ValueError("tie_word_embeddings=True: GPT-J's lm head is untied from the embedding")
     if d.get("rotary_dim", 64) is None:
         raise ValueError("rotary_dim=None (rotary over the whole hidden size) is not supported; set rotary_dim")
     n_embd = d.get("n_embd", 4096)
     return dict(n_layer=d.get("n_layer", 28), d_model=n_embd, n_head=d.get("n_head", 16), rotary_dim=d.get("rotary_dim", 64),
                 d_ff=d.get("n_inner") or 4 * n_embd, n_vocab=d.get("vocab_size", 50400), n_ctx=d.get("n_positions", 2048),
-                ln_eps=d.get("layer_norm_epsilon", 1e-5))
+                ln_eps=d.get("layer_norm_epsilon", 1e-5), activation=d.get("activation_function", "gelu_new"),
+                tie_embeddings=bool(d.get("tie_word_embeddings", False)))
 
 # %% ../nbs/00_config.ipynb #fa000004
 def _rope(d: dict, defaults: dict) -> dict:
@@ -384,7 +381,8 @@ def from_hf(cls: ModelConfig, hf, **overrides) -> ModelConfig:
         fields = _from_neox(d, defaults) if mt == "gpt_neox" else _from_llama(d, defaults, mt)
         fields |= _rope(d, defaults)
     if fields.get("activation") not in (None, *CHOICES["activation"]):
-        raise ValueError(f"hidden_act={fields['activation']!r} is not supported: meshtx knows {CHOICES['activation']}")
+        key = "activation_function" if mt == "gptj" else "hidden_act"
+        raise ValueError(f"{key}={fields['activation']!r} is not supported: meshtx knows {CHOICES['activation']}")
     return cls.from_dict(fields | _tokens(d) | overrides)   # an override wins, even over the checkpoint's value
 
 # %% ../nbs/00_config.ipynb #005a0cd2
@@ -402,8 +400,8 @@ def _hf_kwargs(c: ModelConfig) -> dict:
     "The keyword arguments of the family's Hugging Face config class."
     if c.family == "gptj":
         return dict(vocab_size=c.n_vocab, n_positions=c.n_ctx, n_embd=c.d_model, n_layer=c.n_layer, n_head=c.n_head,
-                    rotary_dim=c.rotary_dim, n_inner=c.d_ff, activation_function="gelu_new", layer_norm_epsilon=c.ln_eps,
-                    tie_word_embeddings=False)
+                    rotary_dim=c.rotary_dim, n_inner=c.d_ff, activation_function=c.activation, layer_norm_epsilon=c.ln_eps,
+                    tie_word_embeddings=c.tie_embeddings)
     common = dict(vocab_size=c.n_vocab, hidden_size=c.d_model, intermediate_size=c.d_ff, num_hidden_layers=c.n_layer,
                   num_attention_heads=c.n_head, max_position_embeddings=c.n_ctx, hidden_act=c.activation,
                   tie_word_embeddings=c.tie_embeddings, rope_scaling=_hf_rope(c))

@@ -14,6 +14,9 @@ CONFIGS = {
     "vocab%8!=0": dict(n_layer=2, d_model=48, n_head=4, rotary_dim=6, n_vocab=1001, d_ff=100),
     "1 layer": dict(n_layer=1, d_model=32, n_head=4, rotary_dim=4, n_vocab=300),
     "3 layers": dict(n_layer=3, d_model=96, n_head=6, rotary_dim=16, n_vocab=777),
+    # GPTJForCausalLM's other activations, and its head tied to the embedding (the head's bias stays its own)
+    "relu, tied head": dict(n_layer=2, d_model=64, n_head=4, rotary_dim=8, n_vocab=300, activation="relu", tie_embeddings=True),
+    "gelu (erf)": dict(n_layer=2, d_model=64, n_head=4, rotary_dim=8, n_vocab=300, activation="gelu", d_ff=96),
 }
 
 
@@ -74,7 +77,7 @@ def scaled_params(params, seed):
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-@pytest.mark.parametrize("name", ["rotary<d_head", "vocab%8!=0"])
+@pytest.mark.parametrize("name", ["rotary<d_head", "vocab%8!=0", "relu, tied head"])
 def test_save_hf_round_trip(name, tmp_path):
     "meshtx -> save_hf -> GPTJForCausalLM.from_pretrained: the same weights, bit for bit, and the same logits."
     import transformers
