@@ -271,8 +271,10 @@ def _encode_prompts(lm: LM, prompts) -> list[list[int]]:
         if isinstance(p, str):
             if lm.tokenizer is None: raise ValueError("this LM has no tokenizer: pass token ids, not text")
             p = lm.tokenizer(p).input_ids
-        p = [int(t) for t in p]
-        p = p or [lm.document_start]   # an empty prompt starts a new document (as OpenAI's API and HF's BOS do)
+        if not isinstance(p, (list, tuple, np.ndarray)): raise ValueError(f"prompt {i} must be text or a list of token ids, not {p!r}")
+        bad = next((t for t in p if isinstance(t, bool) or not isinstance(t, (int, np.integer))), None)
+        if bad is not None: raise ValueError(f"prompt {i} has a token id that is not an integer: {bad!r}")
+        p = [int(t) for t in p] or [lm.document_start]   # an empty prompt starts a new document (as OpenAI's API and HF's BOS do)
         if min(p) < 0 or max(p) >= lm.config.n_vocab:
             raise ValueError(f"prompt {i} has token ids outside [0, {lm.config.n_vocab})")
         ids.append(p)
