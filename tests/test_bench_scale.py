@@ -23,6 +23,8 @@ def test_scale_prints_every_row(tmp_path):
     rows = {l.split("|")[1].strip() for l in table}
     assert rows == set(ROWS), (sorted(rows), r.stdout[-3000:])
     assert "| row | side | process | exit | wall s | peak RSS GB (self) |" in r.stdout
+    # the slots row ran whole: its token check, against generate's top-2 gaps where the two differ, is in the table
+    assert any(l.startswith("| slots | greedy tokens equal generate's | ") and "/16 requests" in l for l in table), r.stdout[-3000:]
     # the checkpoint was written once, whole (no temporary left), in both forms, with its index and config
     cache = tmp_path / "cache"
     assert sorted(p.name for p in cache.iterdir()) == ["gptj-d256-f1024-h4-v1024-L1-fp16-bin", "gptj-d256-f1024-h4-v1024-L1-fp16-safetensors"]
