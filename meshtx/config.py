@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/config.html.md"""
 
 # %% ../nbs/00_config.ipynb #2df19a0c
 from __future__ import annotations
-import dataclasses, json, os, sys, warnings
+import dataclasses, json, math, os, sys, warnings
 from dataclasses import dataclass, asdict
 from pathlib import Path
 from fastcore.basics import patch
@@ -35,11 +35,15 @@ class Switches:
     mlp_norm: bool | None = None    # the MLP reads its own norm, ln_2, instead of sharing ln_1 with attention
     rotary_style: str | None = None # rotate feature pairs (2i, 2i+1) "pairs" (GPT-J) or (i, i + r/2) "halves"
     rotary_base: float = 10000.0    # θ of the rotary frequencies θ^(-2i/r) (rope_theta)
-    rope_scaling: str = "none"      # "none", "linear", "dynamic" (NTK) or "llama3"
+    rope_scaling: str = "none"      # "none", "linear", "dynamic" (NTK), "llama3" or "yarn"
     rope_factor: float = 1.0        # the scaling's factor
     rope_low_freq_factor: float = 1.0    # llama3's
     rope_high_freq_factor: float = 4.0   # llama3's
-    rope_original_ctx: int | None = None # llama3, dynamic: the context the model was pretrained at; None: n_ctx
+    rope_original_ctx: int | None = None # llama3, dynamic, yarn: the context the model was pretrained at; None: n_ctx
+    rope_attention_factor: float | None = None  # yarn: cos and sin scaled by it; None: YaRN's 0.1·ln(factor) + 1
+    rope_beta_fast: float = 32.0    # yarn: frequencies turning more than this often over the original context are kept
+    rope_beta_slow: float = 1.0     # yarn: ... less than this often are divided by the factor; a ramp between
+    rope_truncate: bool = True      # yarn: the ramp's ends rounded out to whole features (gpt-oss's configs: False)
     qkv_bias: bool | None = None    # q, k and v projections have biases
     out_bias: bool | None = None    # the attention's output projection has a bias
     mlp_bias: bool | None = None    # the MLP's projections have biases
@@ -111,7 +115,7 @@ FAMILY_NAMES = {"gptj": "GPT-J", "llama": "Llama", "mistral": "Mistral", "qwen2"
 def family_name(config) -> str: return FAMILY_NAMES[config.family]
 
 CHOICES = dict(norm=("layernorm", "rmsnorm"), activation=("gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu", "silu", "relu"),
-               rotary_style=("pairs", "halves"), rope_scaling=("none", "linear", "dynamic", "llama3"))
+               rotary_style=("pairs", "halves"), rope_scaling=("none", "linear", "dynamic", "llama3", "yarn"))
 
 # %% ../nbs/00_config.ipynb #d7640b06
 # far above any real model's (GPT-J-6B: 28 layers, 4096 wide, 50400 ids, 2048 positions), far below what would
@@ -149,9 +153,10 @@ def _validate(c: ModelConfig):
 # %% ../nbs/00_config.ipynb #fa100004
 def _check_numbers(c: ModelConfig):
     "Positive numbers, token ids."
-    for f in ("ln_eps", "rotary_base", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+    for f in ("ln_eps", "rotary_base", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_beta_fast",
+              "rope_beta_slow", "rope_attention_factor"):
         v = getattr(c, f)
-        if isinstance(v, bool) or not (isinstance(v, (int, float)) and 0 < v < float("inf")):
+        if (v is not None or f != "rope_attention_factor") and (isinstance(v, bool) or not (isinstance(v, (int, float)) and 0 < v < float("inf"))):
             raise ValueError(f"{f}={v!r} must be a positive number")
     if c.rope_scaling == "llama3" and c.rope_high_freq_factor <= c.rope_low_freq_factor:
         raise ValueError(f"rope_high_freq_factor={c.rope_high_freq_factor} must be above "
@@ -174,7 +179,7 @@ def _check_choices(c: ModelConfig):
         if getattr(c, f) not in allowed:
             raise ValueError(f"{f}={getattr(c, f)!r} is not one of {allowed}")
     for f in ("gated_mlp", "parallel_residual", "mlp_norm", "qkv_bias", "out_bias", "mlp_bias", "lm_head_bias",
-              "tie_embeddings", "remat"):
+              "tie_embeddings", "remat", "rope_truncate"):
         if not isinstance(getattr(c, f), bool): raise ValueError(f"{f}={getattr(c, f)!r} must be True or False")
     if not c.parallel_residual and not c.mlp_norm:
         raise ValueError("parallel_residual=False needs mlp_norm=True: a sequential block's MLP reads its own norm")
@@ -305,9 +310,10 @@ def _rope(d: dict, defaults: dict) -> dict:
     args = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
     base = args.get("rope_theta", d.get("rope_theta", d.get("rotary_emb_base", 10000.0)))
     kind = args.get("rope_type", args.get("type", "default"))
-    if kind not in ("default", "linear", "dynamic", "llama3"):
-        raise ValueError(f"rope_scaling type {kind!r} is not supported: meshtx knows 'default', 'linear', 'dynamic' and 'llama3'")
+    if kind not in ("default", "linear", "dynamic", "llama3", "yarn"):
+        raise ValueError(f"rope_scaling type {kind!r} is not supported: meshtx knows 'default', 'linear', 'dynamic', 'llama3' and 'yarn'")
     out = dict(rotary_base=float(base), rope_scaling="none" if kind == "default" else kind)
+    if kind == "yarn": return out | _yarn(args, {**defaults, **d})
     if kind != "default": out["rope_factor"] = float(args["factor"])
     if kind == "llama3":
         out.update(rope_low_freq_factor=float(args.get("low_freq_factor", 1.0)),
@@ -321,6 +327,22 @@ def _partial_rotary(d: dict, defaults: dict) -> float:
         for v in (src.get("rotary_pct"), src.get("partial_rotary_factor"), (src.get("rope_parameters") or {}).get("partial_rotary_factor")):
             if v is not None: return float(v)
     return 0.25
+
+# %% ../nbs/00_config.ipynb #b96387eb
+def _yarn_mscale(factor: float, m: float = 1.0) -> float: return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+def _yarn(args: dict, d: dict) -> dict:
+    """YaRN's fields as transformers 5 reads them: the original context from the config's own
+    `original_max_position_embeddings` first, then the scaling's, then `max_position_embeddings`; a missing factor
+    is the ratio of the two contexts; the attention factor given, from `mscale`/`mscale_all_dim`, or (None) the default."""
+    n = d.get("max_position_embeddings")
+    old = d.get("original_max_position_embeddings") or args.get("original_max_position_embeddings") or n
+    f = args.get("factor") or n / old
+    af, ms, ms_all = args.get("attention_factor"), args.get("mscale"), args.get("mscale_all_dim")
+    if af is None and ms and ms_all: af = _yarn_mscale(f, ms) / _yarn_mscale(f, ms_all)
+    return dict(rope_factor=float(f), rope_original_ctx=int(old), rope_attention_factor=None if af is None else float(af),
+                rope_beta_fast=float(args.get("beta_fast") or 32), rope_beta_slow=float(args.get("beta_slow") or 1),
+                rope_truncate=args.get("truncate", True))
 
 # %% ../nbs/00_config.ipynb #fa000005
 HF_CLASSES = {"gptj": ("GPTJConfig", "GPTJForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -394,6 +416,11 @@ def _hf_rope(c: ModelConfig):
     if c.rope_scaling == "llama3":
         s |= dict(low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor,
                   original_max_position_embeddings=c.rope_original_ctx or c.n_ctx)
+    if c.rope_scaling == "yarn":
+        s |= dict(original_max_position_embeddings=c.rope_original_ctx or c.n_ctx, beta_fast=c.rope_beta_fast,
+                  beta_slow=c.rope_beta_slow)
+        if c.rope_attention_factor is not None: s["attention_factor"] = c.rope_attention_factor
+        if not c.rope_truncate: s["truncate"] = False
     return s
 
 def _hf_kwargs(c: ModelConfig) -> dict:
@@ -429,8 +456,11 @@ def to_hf(self: ModelConfig):
     hf = getattr(quiet_transformers(), config_class)(**_hf_kwargs(self), bos_token_id=bos, eos_token_id=self.end_of_text,
                                                       pad_token_id=self.pad_token_id, architectures=[model_class])
     back = ModelConfig.from_hf(hf, **{f: getattr(self, f) for f in RUN_FIELDS})
+    ctx = lambda c: c.rope_original_ctx or c.n_ctx   # None: the model's own context, as written
     wrong = {f: (getattr(self, f), getattr(back, f)) for f in ("family", *FAMILIES["gptj"], "d_head", "d_ff", "rotary_base",
-             "rope_scaling", "rope_factor", "rope_original_ctx", "sliding_window", "sliding_window_from") if getattr(self, f) != getattr(back, f)}
+             "rope_scaling", "rope_factor", "rope_original_ctx", "rope_attention_factor", "rope_beta_fast", "rope_beta_slow",
+             "rope_truncate", "sliding_window", "sliding_window_from")
+             if getattr(self, f) != getattr(back, f) and (f != "rope_original_ctx" or ctx(self) != ctx(back))}
     if wrong:
         f, (v, got) = next(iter(wrong.items()))
         raise ValueError(f"{f}={v!r} cannot be written as Hugging Face's {config_class} (it would read back as {got!r})"

@@ -16,13 +16,13 @@ import optax
 from .config import ModelConfig, LoRAConfig
 
 # %% auto #0
-__all__ = ['FEW_ROWS', 'ACTIVATIONS', 'REMAT_POLICY', 'LOSS_ROWS', 'BLOCKS', 'rotary_angles', 'rotary_frequencies',
-           'apply_rotary', 'backend', 'compiling_for', 'after', 'einsum32', 'cpu_mixed_products', 'cpu_weights_first',
-           'times_wt', 'attend', 'self_attention', 'dense', 'low_rank', 'lora_update', 'linear', 'layer_norm',
-           'rms_norm', 'norm', 'gelu_new', 'no_hint', 'mlp', 'block', 'add_bias', 'lm_head', 'layer_window',
-           'self_mask', 'scan_blocks', 'GPTJ', 'gptj', 'init_params', 'param_shapes', 'cross_entropy', 'n_loss_chunks',
-           'fused_cross_entropy', 'cache_dtype', 'KVCache', 'cache_read', 'attend_cached', 'split_layers',
-           'remat_in_turn', 'run_layers']
+__all__ = ['FEW_ROWS', 'ACTIVATIONS', 'REMAT_POLICY', 'LOSS_ROWS', 'BLOCKS', 'rotary_angles', 'rotary_attention_factor',
+           'rotary_frequencies', 'apply_rotary', 'backend', 'compiling_for', 'after', 'einsum32', 'cpu_mixed_products',
+           'cpu_weights_first', 'times_wt', 'attend', 'self_attention', 'dense', 'low_rank', 'lora_update', 'linear',
+           'layer_norm', 'rms_norm', 'norm', 'gelu_new', 'no_hint', 'mlp', 'block', 'add_bias', 'lm_head',
+           'layer_window', 'self_mask', 'scan_blocks', 'GPTJ', 'gptj', 'init_params', 'param_shapes', 'cross_entropy',
+           'n_loss_chunks', 'fused_cross_entropy', 'cache_dtype', 'KVCache', 'cache_read', 'attend_cached',
+           'split_layers', 'remat_in_turn', 'run_layers']
 
 # %% ../nbs/01_model.ipynb #63414cbc
 def rotary_angles(positions: jax.Array, rotary_dim: int, base: float = 10000.0, inv_freq=None):
@@ -43,16 +43,37 @@ def _llama3_frequencies(inv, cfg: ModelConfig):
     medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
     return np.where(medium, blended, scaled).astype(np.float32)
 
+# %% ../nbs/01_model.ipynb #6ee3790f
+def _yarn_frequencies(inv, cfg: ModelConfig):
+    """YaRN's: a frequency turning more than `beta_fast` times over the original context is kept, one turning less than
+    `beta_slow` times is divided by the factor, and those between are blended along a linear ramp over the features."""
+    r, old, f = cfg.rotary_dim, cfg.rope_original_ctx or cfg.n_ctx, np.float32(cfg.rope_factor)
+    feature = lambda turns: r * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(cfg.rotary_base))
+    lo, hi = feature(cfg.rope_beta_fast), feature(cfg.rope_beta_slow)
+    if cfg.rope_truncate: lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, r - 1)
+    ramp = np.clip((np.arange(r // 2, dtype=np.float32) - lo) / ((hi + 0.001 if lo == hi else hi) - lo), 0, 1)
+    keep = 1 - ramp   # 1: the frequency as it is; 0: divided by the factor
+    turn = np.float32(cfg.rotary_base) ** (np.arange(0, r, 2, dtype=np.float32) / np.float32(r))   # 1 / inv
+    return (1 / (f * turn) * (1 - keep) + inv * keep).astype(np.float32)
+
+def rotary_attention_factor(cfg: ModelConfig) -> float:
+    "What YaRN multiplies cos and sin by (so the rotated features' scores by its square); 1 for every other rotary."
+    if cfg.rope_scaling != "yarn": return 1.0
+    if cfg.rope_attention_factor is not None: return cfg.rope_attention_factor
+    return 1.0 if cfg.rope_factor <= 1 else 0.1 * math.log(cfg.rope_factor) + 1.0
+
 # %% ../nbs/01_model.ipynb #fb100003
 def rotary_frequencies(cfg: ModelConfig, longest=None):
     """The rotary frequencies `θ^(-2i/r)` `[rotary_dim // 2]` of `cfg`, scaled as its `rope_scaling` says, as Hugging
-    Face computes them: "linear" divides them by the factor; "llama3" divides the low ones and blends the middle ones;
-    "dynamic" (NTK) raises θ once a call's `longest` position + 1 (traced) passes the original context."""
+    Face computes them: "linear" divides them by the factor; "llama3" and "yarn" divide the low ones and blend the middle
+    ones; "dynamic" (NTK) raises θ once a call's `longest` position + 1 (traced) passes the original context."""
     r, f = cfg.rotary_dim, np.float32(cfg.rope_factor)
     exps = np.arange(0, r, 2, dtype=np.float32) / np.float32(r)
     inv = 1.0 / (np.float32(cfg.rotary_base) ** exps)
     if cfg.rope_scaling == "linear": return inv / f
     if cfg.rope_scaling == "llama3": return _llama3_frequencies(inv, cfg)
+    if cfg.rope_scaling == "yarn": return _yarn_frequencies(inv, cfg)
     if cfg.rope_scaling == "dynamic" and longest is not None:
         old = cfg.rope_original_ctx or cfg.n_ctx
         n = jnp.maximum(longest, old).astype(jnp.float32)
@@ -429,6 +450,7 @@ class GPTJ(hk.Module):
         first = jnp.zeros((B,), jnp.int32) if cache is None else cache.next_pos
         positions = first[:, None] + jnp.cumsum(live, axis=1, dtype=jnp.int32) - 1
         sin, cos = rotary_angles(jnp.maximum(positions, 0), cfg.rotary_dim, inv_freq=rotary_frequencies(cfg, positions.max() + 1))
+        if (a := rotary_attention_factor(cfg)) != 1: sin, cos = sin * a, cos * a   # YaRN's: the rotated scores × a²
         with hk.name_scope("wte"):
             embedding = _param("embedding", (cfg.n_vocab, cfg.d_model), cfg)
             x = self.hint(jnp.take(embedding, tokens, axis=0), "act")

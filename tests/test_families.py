@@ -18,6 +18,7 @@ VARIANTS = {
     "llama biases, d_head 24": LLAMA.replace(d_head=24, rotary_dim=24, qkv_bias=True, out_bias=True, mlp_bias=True),
     "llama3 rope": LLAMA.replace(rope_scaling="llama3", rope_factor=8.0, rope_original_ctx=16),
     "linear rope": LLAMA.replace(rope_scaling="linear", rope_factor=4.0),
+    "yarn rope": LLAMA.replace(rope_scaling="yarn", rope_factor=4.0),
     "mistral window": LLAMA.replace(family="mistral", sliding_window=7),
     "qwen2": LLAMA.replace(family="qwen2", qkv_bias=True, ln_eps=1e-6),
     "neox parallel": NEOX,
@@ -26,12 +27,12 @@ VARIANTS = {
 }
 
 
-def make_hf(cfg, seed=0):
-    "A random model of `cfg`'s family from Hugging Face's class, with weights large enough for a meaningful comparison."
+def make_hf(cfg, seed=0, hf_config=None):
+    "A random model of `cfg`'s family (or of `hf_config`) from Hugging Face's class, with weights large enough for a meaningful comparison."
     import torch
     transformers = quiet_transformers(); transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg.to_hf()).eval()
+    model = transformers.AutoModelForCausalLM.from_config(hf_config or cfg.to_hf()).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1: p.normal_(1.0 if "norm" in name and name.endswith("weight") else 0.0, 0.5 if "norm" in name else 0.3)
@@ -56,7 +57,8 @@ def test_logits_match_hf(name, family_checkpoint):
     path, model = family_checkpoint(cfg)
     lm = LM.from_hf(path, dtype="float32", progress=False)
     arch = ("family", "n_kv_head", "d_head", "rotary_dim", "norm", "activation", "gated_mlp", "parallel_residual",
-            "mlp_norm", "rotary_style", "rotary_base", "rope_scaling", "rope_factor", "qkv_bias", "out_bias",
+            "mlp_norm", "rotary_style", "rotary_base", "rope_scaling", "rope_factor", "rope_attention_factor",
+            "rope_beta_fast", "rope_beta_slow", "rope_truncate", "qkv_bias", "out_bias",
             "mlp_bias", "lm_head_bias", "tie_embeddings", "sliding_window")
     assert {f: getattr(lm.config, f) for f in arch} == {f: getattr(cfg, f) for f in arch}   # config.json read back
     tokens = np.random.default_rng(1).integers(0, cfg.n_vocab, (2, 23))
@@ -90,7 +92,7 @@ def test_dynamic_rope_past_the_original_context():
 
 @pytest.mark.parity
 @pytest.mark.transformers4
-@pytest.mark.parametrize("name", ["llama gqa", "mistral window", "neox parallel"])
+@pytest.mark.parametrize("name", ["llama gqa", "mistral window", "neox parallel", "yarn rope"])
 def test_kv_cache_and_greedy_generation_match_hf(name, family_checkpoint):
     "Prefill then decoding token by token gives HF's full-sequence logits; greedy generation is HF's, token for token."
     import torch
@@ -111,6 +113,49 @@ def test_kv_cache_and_greedy_generation_match_hf(name, family_checkpoint):
                               pad_token_id=0)[0, 5:].tolist()
     got = lm.generate([prompt], max_new_tokens=24, temperature=0, eos_token_id=None).tokens[0]
     assert got == want
+
+
+YARN = {   # Hugging Face configs as written, in the keys transformers 5 reads (4.45 measured YaRN's ramp on the full context)
+    "qwen2, own original context, no rounding, attention factor given":
+        dict(model_type="qwen2", rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=40,
+                                                   truncate=False, attention_factor=1.3)),
+    "mistral, mscale over mscale_all_dim, other betas":
+        dict(model_type="mistral", rope_scaling=dict(rope_type="yarn", factor=16.0, original_max_position_embeddings=32,
+                                                     mscale=0.7, mscale_all_dim=1.0, beta_fast=8, beta_slow=2)),
+    "gpt-neox, half the head rotated":
+        dict(model_type="gpt_neox", rotary_pct=0.5, rope_scaling=dict(rope_type="yarn", factor=8.0,
+                                                                       original_max_position_embeddings=16)),
+}
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("name", YARN)
+def test_yarn_configs_match_hf(name, tmp_path):
+    "YaRN as Hugging Face configs write it: logits of a full and a padded batch, and cached decoding, match HF's."
+    import torch
+    transformers = quiet_transformers(); transformers.logging.set_verbosity_error()
+    d = dict(YARN[name], hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+             intermediate_size=128, vocab_size=300, max_position_embeddings=128, rope_theta=500.0)
+    hf_cfg = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+    model = make_hf(None, hf_config=hf_cfg)
+    model.save_pretrained(tmp_path / "ckpt")
+    lm = LM.from_hf(tmp_path / "ckpt", dtype="float32", progress=False)
+    assert lm.config.rope_scaling == "yarn" and lm.config.rope_original_ctx == d["rope_scaling"]["original_max_position_embeddings"]
+    tokens = np.random.default_rng(1).integers(0, 300, (2, 40))
+    ref = hf_logits(model, tokens)
+    npt.assert_allclose(np.asarray(lm.logits(tokens)), ref, atol=1e-4, rtol=0)
+    assert np.abs(np.asarray(jax.jit(gptj(lm.config.replace(rope_scaling="none")).apply)(lm.params, tokens)) - ref).max() > 1e-2
+    mask = np.ones_like(tokens); mask[0, :6] = 0
+    npt.assert_allclose(np.asarray(lm.logits(tokens, mask))[0, 6:], hf_logits(model, tokens[:1, 6:])[0], atol=1e-4, rtol=0)
+    step = jax.jit(gptj(lm.config).apply)
+    logits, cache = step(lm.params, tokens[:, :30], None, KVCache.init(lm.config, 2, 48))
+    for t in range(30, 40):
+        logits, cache = step(lm.params, tokens[:, t:t + 1], None, cache)
+        npt.assert_allclose(logits[:, 0], ref[:, t], atol=1e-4, rtol=0)
+    rope = ("rope_scaling", "rope_factor", "rope_original_ctx", "rope_attention_factor", "rope_beta_fast", "rope_beta_slow",
+            "rope_truncate", "rotary_dim")
+    back = ModelConfig.from_hf(lm.config.to_hf())   # and it writes back as the same scaling
+    assert [getattr(back, f) for f in rope] == [getattr(lm.config, f) for f in rope]
 
 
 QWEN2_WINDOW = VARIANTS["qwen2"].replace(n_layer=3, sliding_window=5, sliding_window_from=1)
@@ -223,8 +268,12 @@ def test_bad_family_configs_are_refused_by_name(tmp_path):
         LLAMA.replace(parallel_residual=True).to_hf()
     with pytest.raises(ValueError, match="n_kv_head=3 must divide n_head=4"):
         LLAMA.replace(n_kv_head=3)
-    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
-        ModelConfig.from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="rope_scaling type 'longrope'"):
+        ModelConfig.from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
+    with pytest.raises(ValueError, match="rope_beta_fast=0 must be a positive number"):
+        LLAMA.replace(rope_scaling="yarn", rope_beta_fast=0)
+    with pytest.raises(ValueError, match="rope_truncate='no' must be True or False"):
+        LLAMA.replace(rope_scaling="yarn", rope_truncate="no")
     with pytest.raises(ValueError, match="mp=4 must divide n_head=4, n_kv_head=2"):
         make_mesh(mp=4, devices=jax.devices()[:4], config=LLAMA)
 
