@@ -307,19 +307,33 @@ def _rope(d: dict, defaults: dict) -> dict:
     `rope_parameters` (5's); keys the file leaves out take its class's `defaults`."""
     given = any(k in d for k in ("rope_parameters", "rope_theta", "rope_scaling", "rotary_emb_base"))
     d = d if given else defaults
+    for key in ("rope_scaling", "rope_parameters"):
+        if not isinstance(d.get(key) or {}, dict):
+            raise ValueError(f"{key}={d[key]!r} must be a mapping (rope_type, factor, ...) or null")
     args = {**(d.get("rope_scaling") or {}), **(d.get("rope_parameters") or {})}
-    base = args.get("rope_theta", d.get("rope_theta", d.get("rotary_emb_base", 10000.0)))
+    base = _rope_arg(args | {"rope_theta": args.get("rope_theta", d.get("rope_theta", d.get("rotary_emb_base")))},
+                     "rope_theta", "default", 10000.0)
     kind = args.get("rope_type", args.get("type", "default"))
     if kind not in ("default", "linear", "dynamic", "llama3", "yarn"):
         raise ValueError(f"rope_scaling type {kind!r} is not supported: meshtx knows 'default', 'linear', 'dynamic', 'llama3' and 'yarn'")
     out = dict(rotary_base=float(base), rope_scaling="none" if kind == "default" else kind)
     if kind == "yarn": return out | _yarn(args, {**defaults, **d})
-    if kind != "default": out["rope_factor"] = float(args["factor"])
+    if kind != "default": out["rope_factor"] = _rope_arg(args, "factor", kind)
     if kind == "llama3":
-        out.update(rope_low_freq_factor=float(args.get("low_freq_factor", 1.0)),
-                   rope_high_freq_factor=float(args.get("high_freq_factor", 4.0)),
-                   rope_original_ctx=int(args["original_max_position_embeddings"]))
+        out.update(rope_low_freq_factor=_rope_arg(args, "low_freq_factor", kind, 1.0),
+                   rope_high_freq_factor=_rope_arg(args, "high_freq_factor", kind, 4.0),
+                   rope_original_ctx=_rope_arg(args, "original_max_position_embeddings", kind, cast=int))
     return out
+
+def _rope_arg(args: dict, key: str, kind: str, default=None, cast=float):
+    "The rotary scaling's `key` as a number (`default` where the config leaves it out or null), or an error naming it."
+    v = args.get(key)
+    if v is None and default is None: raise ValueError(f"rope_scaling of type {kind!r} needs {key!r}")
+    v = default if v is None else v
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (cast is int and v != int(v)):
+        where = "" if key == "rope_theta" else "rope_scaling's "
+        raise ValueError(f"{where}{key}={v!r} must be {'an integer' if cast is int else 'a number'}")
+    return cast(v)
 
 def _partial_rotary(d: dict, defaults: dict) -> float:
     "The share of each head that NeoX rotates: `rotary_pct` (transformers 4) or `partial_rotary_factor` (5)."
@@ -336,13 +350,15 @@ def _yarn(args: dict, d: dict) -> dict:
     `original_max_position_embeddings` first, then the scaling's, then `max_position_embeddings`; a missing factor
     is the ratio of the two contexts; the attention factor given, from `mscale`/`mscale_all_dim`, or (None) the default."""
     n = d.get("max_position_embeddings")
-    old = d.get("original_max_position_embeddings") or args.get("original_max_position_embeddings") or n
-    f = args.get("factor") or n / old
-    af, ms, ms_all = args.get("attention_factor"), args.get("mscale"), args.get("mscale_all_dim")
-    if af is None and ms and ms_all: af = _yarn_mscale(f, ms) / _yarn_mscale(f, ms_all)
-    return dict(rope_factor=float(f), rope_original_ctx=int(old), rope_attention_factor=None if af is None else float(af),
-                rope_beta_fast=float(args.get("beta_fast") or 32), rope_beta_slow=float(args.get("beta_slow") or 1),
-                rope_truncate=args.get("truncate", True))
+    at = lambda k, default=None, cast=float: _rope_arg(args, k, "yarn", default, cast)
+    old = d.get("original_max_position_embeddings") or at("original_max_position_embeddings", n, int)
+    if old <= 0: raise ValueError(f"rope_scaling's original_max_position_embeddings={old!r} must be positive")
+    f = at("factor", n / old)
+    ms, ms_all = at("mscale", 0), at("mscale_all_dim", 0)
+    af = at("attention_factor") if args.get("attention_factor") is not None else (
+         _yarn_mscale(f, ms) / _yarn_mscale(f, ms_all) if ms and ms_all else None)
+    return dict(rope_factor=f, rope_original_ctx=old, rope_attention_factor=af, rope_beta_fast=at("beta_fast", 32) or 32.0,
+                rope_beta_slow=at("beta_slow", 1) or 1.0, rope_truncate=args.get("truncate", True))
 
 # %% ../nbs/00_config.ipynb #fa000005
 HF_CLASSES = {"gptj": ("GPTJConfig", "GPTJForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -377,6 +393,18 @@ def _qwen2_window(d: dict, types) -> dict:
                          f"(full_attention first, then sliding_attention to the last of the {n} layers)")
     return dict(sliding_window=d["sliding_window"], sliding_window_from=sliding[0])
 
+# %% ../nbs/00_config.ipynb #e1ecce26
+_SHAPE_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers")
+
+def _class_defaults(model_type: str, d: dict) -> dict:
+    """What the family's Hugging Face config class gives the keys `d` leaves out. Some it derives from the shape
+    (Llama's `head_dim` is hidden_size / heads, its `num_key_value_heads` the heads), so the class is built with
+    this file's shape: a config.json written before those keys existed (TinyLlama's, SmolLM's) reads as HF reads it."""
+    cls = getattr(quiet_transformers(), HF_CLASSES[model_type][0])
+    shape = {k: d[k] for k in _SHAPE_KEYS if isinstance(d.get(k), int) and not isinstance(d[k], bool) and d[k] > 0}
+    try: return cls(**shape).to_dict()
+    except Exception: return cls().to_dict()   # a shape the class refuses: its own defaults, and our checks name it
+
 # %% ../nbs/00_config.ipynb #fa100003
 def _from_neox(d: dict, defaults: dict) -> dict:
     pct = _partial_rotary(d, defaults)
@@ -399,7 +427,7 @@ def from_hf(cls: ModelConfig, hf, **overrides) -> ModelConfig:
         raise ValueError(f"model_type={mt!r}: meshtx implements {', '.join(map(repr, HF_CLASSES))}")
     if mt == "gptj": fields = _from_gptj(d)
     else:
-        defaults = getattr(quiet_transformers(), HF_CLASSES[mt][0])().to_dict()   # what the class gives a missing key
+        defaults = _class_defaults(mt, d)   # what the class gives a missing key
         fields = _from_neox(d, defaults) if mt == "gpt_neox" else _from_llama(d, defaults, mt)
         fields |= _rope(d, defaults)
     if fields.get("activation") not in (None, *CHOICES["activation"]):

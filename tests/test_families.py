@@ -115,6 +115,28 @@ def test_kv_cache_and_greedy_generation_match_hf(name, family_checkpoint):
     assert got == want
 
 
+@pytest.mark.parity
+@pytest.mark.transformers4
+@pytest.mark.parametrize("family,drop", [("llama", ("head_dim", "num_key_value_heads")), ("mistral", ("head_dim",)),
+                                         ("qwen2", ("head_dim", "layer_types"))])
+def test_config_json_without_derived_keys(family, drop, tmp_path):
+    """Older config.json files (TinyLlama's, SmolLM's, OpenLLaMA's) leave out `head_dim` and `num_key_value_heads`:
+    Hugging Face derives them from this file's shape (hidden_size / heads; Llama: as many as the heads), not from the
+    class's default 32 heads of 128, and so must meshtx."""
+    import json
+    cfg = LLAMA.replace(family=family, d_model=96, n_head=6, n_kv_head=6 if "num_key_value_heads" in drop else 2)
+    model = make_hf(cfg)
+    model.save_pretrained(tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in d.items() if k not in drop}))
+    transformers = quiet_transformers()
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()   # HF's own reading of the file
+    lm = LM.from_hf(tmp_path, dtype="float32", progress=False)
+    assert (lm.config.d_head, lm.config.n_kv_head) == (16, cfg.n_kv_head)
+    tokens = np.random.default_rng(2).integers(0, cfg.n_vocab, (2, 11))
+    npt.assert_allclose(np.asarray(lm.logits(tokens)), hf_logits(ref_model, tokens), atol=1e-4, rtol=0)
+
+
 YARN = {   # Hugging Face configs as written, in the keys transformers 5 reads (4.45 measured YaRN's ramp on the full context)
     "qwen2, own original context, no rounding, attention factor given":
         dict(model_type="qwen2", rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=40,
@@ -272,6 +294,12 @@ def test_bad_family_configs_are_refused_by_name(tmp_path):
         ModelConfig.from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
     with pytest.raises(ValueError, match="rope_beta_fast=0 must be a positive number"):
         LLAMA.replace(rope_scaling="yarn", rope_beta_fast=0)
+    with pytest.raises(ValueError, match="rope_scaling's factor='4x' must be a number"):
+        ModelConfig.from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "linear", "factor": "4x"}})
+    with pytest.raises(ValueError, match="rope_scaling of type 'llama3' needs 'original_max_position_embeddings'"):
+        ModelConfig.from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(ValueError, match="rope_scaling='yarn' must be a mapping"):
+        ModelConfig.from_hf({"model_type": "qwen2", "rope_scaling": "yarn"})
     with pytest.raises(ValueError, match="rope_truncate='no' must be True or False"):
         LLAMA.replace(rope_scaling="yarn", rope_truncate="no")
     with pytest.raises(ValueError, match="mp=4 must divide n_head=4, n_kv_head=2"):
