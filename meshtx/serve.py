@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/serve.html.md"""
 
 # %% ../nbs/10_serve.ipynb #0a7d958a
 from __future__ import annotations
-import asyncio, collections, concurrent.futures, contextlib, json, math, re, secrets, threading, time, uuid
+import asyncio, collections, concurrent.futures, contextlib, json, math, os, re, secrets, threading, time, uuid
 from dataclasses import dataclass, field
 from fastcore.basics import patch
 from starlette.applications import Starlette
@@ -19,6 +19,7 @@ from starlette.routing import Route
 from .lm import LM
 from .sampling import cut_at_stop, token_text, model_logprobs, _shown
 from .slots import Slots, slot_length
+from .tokenizer import ByteTokenizer
 import numpy as np
 import jax, jax.numpy as jnp
 
@@ -29,12 +30,13 @@ __all__ = ['MAX_STOP_CHARS', 'MAX_LOGPROBS', 'MAX_REQUEST_BYTES', 'RequestError'
 # %% ../nbs/10_serve.ipynb #47118d21
 class RequestError(Exception):
     "An error sent back as HTTP `status` with an OpenAI-style JSON body naming the offending `param`."
-    def __init__(self, message: str, param: str | None = None, status: int = 400, type: str = "invalid_request_error"):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, type: str = "invalid_request_error",
+                 code: str | None = None):
         super().__init__(message)
-        self.message, self.param, self.status, self.type = message, param, status, type
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse: return JSONResponse(self.body(), self.status)
 
@@ -120,6 +122,7 @@ class Job:
     n: int = 1                    # choices per prompt
     best_of: int = 1              # completions sampled per prompt; the `n` likeliest (per token) are the choices
     special_tokens: bool = True   # tokenize with the tokenizer's special tokens (a chat template writes its own)
+    prompt_param: str = "prompt"  # the request's field the prompts came from (chat: "messages"), which errors name
     ids: list | None = field(default=None, repr=False)    # token ids per row, filled in by `_encode`
     scores: list | None = field(default=None, repr=False) # each prompt's tokens scored (echo with logprobs)
     _progress: object = field(default=None, repr=False)   # its rows' results and streamed text, while in the slots
@@ -258,16 +261,19 @@ def parse_chat(body: dict, n_ctx: int, render) -> Job:
         if body.get(name): raise RequestError(f"{name} is not supported: this server only writes text", name)
     if body.get("response_format") not in (None, {"type": "text"}):
         raise RequestError("response_format is not supported: only {\"type\": \"text\"}", "response_format")
-    most = body.get("max_completion_tokens", body.get("max_tokens"))
+    most = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"   # null: unset
     stream = _flag(body, "stream")
     top = _integer(body, "top_logprobs", None, lambda v: 0 <= v <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]")
     if top is not None and not _flag(body, "logprobs"): raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
     logprobs = (top or 0) if _flag(body, "logprobs") else None
     if stream and logprobs is not None: raise RequestError("logprobs are not streamed: send stream=false for them", "logprobs")
     n, _ = _choices({k: v for k, v in body.items() if k != "best_of"}, stream)
-    opts = _sampling({**body, "max_tokens": most}, n_ctx, None)   # None: the room the context leaves
+    try: opts = _sampling({**body, "max_tokens": body.get(most)}, n_ctx, None)   # None: the room the context leaves
+    except RequestError as e:
+        if e.param != "max_tokens": raise
+        raise RequestError(e.message.replace("max_tokens", most), most) from None
     return Job([render(messages)], **opts, stop=_stop(body.get("stop")), stream=stream, n=n, best_of=n, logprobs=logprobs,
-               include_usage=_include_usage(body.get("stream_options"), stream), special_tokens=False)
+               include_usage=_include_usage(body.get("stream_options"), stream), special_tokens=False, prompt_param="messages")
 
 # %% ../nbs/10_serve.ipynb #3b32045c
 def _param_of(message: str) -> str | None:
@@ -307,7 +313,7 @@ class Batcher:
         self._cv, self._thread, self._closed, self._abort, self.busy = threading.Condition(), None, False, False, 0
         self.calls, self.batch_sizes = 0, collections.Counter()
         self._tokenizing, self._longest = concurrent.futures.ThreadPoolExecutor(1, "meshtx-serve-tokenize"), None
-        self._pieces = {}   # token id: its text alone
+        self._pieces, self._byte_level = {}, None   # token id: its text alone; the tokenizer is GPT-2's bytes (None: not known yet)
 
     def stats(self) -> dict:
         return {"queued": self._queued, "max_queue": self.max_queue, "max_batch": self.max_batch, "busy": bool(self.busy),
@@ -321,8 +327,10 @@ class Batcher:
 def submit(self: Batcher, job: Job):
     "Queue `job`, or raise a 503 `RequestError` if the queue is full (or the server is stopping)."
     n = job.size
-    if n > self.max_queue:
-        raise RequestError(f"prompt has {n} entries; this server queues at most {self.max_queue}", "prompt")
+    if n > self.max_queue:   # named by what made it so many: best_of, n, or the prompts
+        name = "best_of" if job.best_of > job.n else "n" if job.n > 1 else job.prompt_param
+        raise RequestError(f"{len(job.prompts)} prompt(s) × best_of={job.best_of} make {n} completions; this server queues "
+                           f"at most {self.max_queue}", name)
     with self._cv:
         if self._closed: raise _shutting_down()
         if self._queued + n > self.max_queue:
@@ -396,6 +404,8 @@ def _longest_token(tok) -> int | None:
     if not hasattr(tok, "convert_ids_to_tokens"): return None
     return max(map(len, filter(None, tok.convert_ids_to_tokens(list(range(len(tok))))))) or None
 
+def _which(job: Job, i: int) -> str: return f"prompt {i}" if job.prompt_param == "prompt" else "the conversation"
+
 @patch
 def _tokens(self: Batcher, job: Job, i: int, p) -> list:
     "Prompt `i` of `job` as token ids; text is first bounded in characters, so a huge one is refused (or cut) untokenized."
@@ -407,8 +417,8 @@ def _tokens(self: Batcher, job: Job, i: int, p) -> list:
     if self._longest is None: self._longest = [_longest_token(tok)]
     most = self._longest[0] and n_ctx * self._longest[0]   # characters that n_ctx tokens can hold, at most
     if most and len(p) > most:
-        if not job.truncate: raise RequestError(f"prompt {i} has {len(p)} characters: more than the model's context of "
-                                                f"n_ctx={n_ctx} tokens can hold", "prompt")
+        if not job.truncate: raise RequestError(f"{_which(job, i)} has {len(p)} characters: more than the model's context of "
+                                                f"n_ctx={n_ctx} tokens can hold", job.prompt_param, code="context_length_exceeded")
         p = p[len(p) - most:]   # only the newest tokens are kept anyway
     if not p: return []
     return tok(p).input_ids if job.special_tokens else tok.encode(p, add_special_tokens=False)
@@ -426,8 +436,8 @@ def _encode(self: Batcher, job: Job):
     for i, p in enumerate(ids):
         if len(p) > room:
             if not job.truncate:
-                raise RequestError(f"prompt {i} has {len(p)} tokens; with max_tokens={job.max_tokens} that exceeds "
-                                   f"the model's context of n_ctx={n_ctx} tokens", "prompt")
+                raise RequestError(f"{_which(job, i)} has {len(p)} tokens; with max_tokens={job.max_tokens} that exceeds "
+                                   f"the model's context of n_ctx={n_ctx} tokens", job.prompt_param, code="context_length_exceeded")
             ids[i] = p[len(p) - room:]
     job.ids = [list(ids[r // job.best_of]) for r in range(job.size)]
 
@@ -490,13 +500,14 @@ def _top_n(top: dict, n: int, chosen: int) -> dict:
     return keep | ({chosen: top[chosen]} if chosen in top else {})
 
 @patch
-def _entries(self: Batcher, toks, lps, tops, n: int, start=0) -> list[dict]:
-    "Per token: its text, log-probability, `n` likeliest alternatives (`{text: logprob}`) and character offset from `start`."
+def _entries(self: Batcher, toks, lps, tops, n: int, offsets) -> list[dict]:
+    """Per token: its text and bytes, log-probability, `n` likeliest alternatives (`{text: logprob}`, and their
+    bytes) and character offset (`offsets`)."""
     out = []
-    for t, lp, top in zip(toks, lps, tops):
-        alts = None if top is None else {self._piece(a): b for a, b in _top_n(top, n, t).items()}
-        out.append(dict(token=self._piece(t), logprob=lp, top=alts, offset=start))
-        start += len(out[-1]["token"])
+    for t, lp, top, at in zip(toks, lps, tops, offsets):
+        alts = None if top is None else {a: b for a, b in _top_n(top, n, t).items()}
+        out.append(dict(token=self._piece(t), logprob=lp, top=alts and {self._piece(a): b for a, b in alts.items()},
+                        offset=at, bytes=self._token_bytes(t), top_bytes=alts and {self._piece(a): self._token_bytes(a) for a in alts}))
     return out
 
 @patch
@@ -505,6 +516,43 @@ def _piece(self: Batcher, t: int) -> str:
     if (s := self._pieces.get(t)) is None:
         s = self._pieces[t] = self.lm.tokenizer.decode([t]) if self.lm.tokenizer is not None else str(t)
     return s
+
+# %% ../nbs/10_serve.ipynb #0fbde5ed
+_BYTE_OF = {chr(b): b for b in [*range(33, 127), *range(161, 173), *range(174, 256)]}   # GPT-2's byte alphabet: printable
+_BYTE_OF |= {chr(256 + i): b for i, b in enumerate(b for b in range(256) if chr(b) not in _BYTE_OF)}   # bytes as themselves
+
+@patch
+def _offsets(self: Batcher, ids: list, text: str) -> list[int]:
+    "Where each token of `ids` starts in `text`, the text they stand for (see above)."
+    tok = self.lm.tokenizer
+    if tok is None: return [0] * len(ids)
+    specials = set(getattr(tok, "all_special_ids", ()))
+    lead = next((k for k, t in enumerate(ids) if t not in specials or text.startswith(self._piece(t))), len(ids))
+    out, ids, a, base, head = [0] * lead, ids[lead:], 0, 0, ""
+    dec = lambda i, j: tok.decode(ids[i:j])
+    for k in range(len(ids)):
+        new = dec(max(a - 1, 0), k)[len(head):]   # the text of tokens [a, k), decoded after the one before a
+        at = base + len(os.path.commonprefix([new, text[base:base + len(new)]]))
+        out.append(at)
+        if at == base + len(new) and k > a: a, base, head = k, at, dec(k - 1, k)   # whole characters end before k
+    return out
+
+@patch
+def _token_bytes(self: Batcher, t: int) -> list[int]:
+    "The bytes token `t` stands for: GPT-2's byte alphabet, sentencepiece's `<0xNN>` and `▁`, or its text's UTF-8."
+    tok = self.lm.tokenizer
+    if isinstance(tok, ByteTokenizer): return [t] if t < 256 else []
+    s = tok.convert_ids_to_tokens(t) if hasattr(tok, "convert_ids_to_tokens") else None
+    if isinstance(s, str):
+        if m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", s): return [int(m[1], 16)]
+        if self._byte_level is None: self._byte_level = '"ByteLevel"' in json.dumps(_decoder(tok))
+        if self._byte_level and all(c in _BYTE_OF for c in s): return [_BYTE_OF[c] for c in s]
+        if "▁" in s: return list(s.replace("▁", " ").encode("utf-8"))
+    return list(self._piece(t).encode("utf-8"))
+
+def _decoder(tok):
+    try: return json.loads(tok.backend_tokenizer.to_str()).get("decoder")
+    except Exception: return None
 
 # %% ../nbs/10_serve.ipynb #5c89e057
 @patch
@@ -543,7 +591,8 @@ def _prompt_logprobs(self: Batcher, ids: list, k: int) -> tuple[list, list]:
 def _echoed(self: Batcher, job: Job, row: int) -> list[dict]:
     "The entries of row `row`'s prompt (scored as the job was prepared)."
     lps, tops = job.scores[row // job.best_of]
-    return self._entries(job.ids[row], lps, tops, job.logprobs)
+    ids = job.ids[row]
+    return self._entries(ids, lps, tops, job.logprobs, self._offsets(ids, self._prompt_text(job.prompt(row))))
 
 @patch
 def _scored(self: Batcher, job: Job, row: int, toks, tops, r: dict) -> dict:
@@ -552,9 +601,11 @@ def _scored(self: Batcher, job: Job, row: int, toks, tops, r: dict) -> dict:
     out = dict(mean_logprob=sum(lps) / len(lps) if lps else 0.0)
     if job.logprobs is None: return out
     keep = [k for k, t in enumerate(toks) if t != self.lm.eos_token_id]   # the end of text is not text
-    start = len(r["prompt_text"]) if job.echo else 0
-    gen = self._entries([toks[k] for k in keep], [lps[k] for k in keep], [tops[k] for k in keep], job.logprobs, start)
-    gen = [e for e in gen if e["offset"] - start < len(r["text"])]   # nothing past a stop string
+    start, kept = (len(r["prompt_text"]) if job.echo else 0), [toks[k] for k in keep]
+    at = [start + o for o in self._offsets(kept, token_text(self.lm, kept, self.lm.eos_token_id))]
+    gen = self._entries(kept, [lps[k] for k in keep], [tops[k] for k in keep], job.logprobs, at)
+    if self.lm.tokenizer is not None:   # nothing past a stop string (without a tokenizer there are none, nor text)
+        gen = [e for e in gen if e["offset"] - start < len(r["text"])]
     return out | dict(logprobs=(self._echoed(job, row) if job.echo else []) + gen)
 
 @patch
@@ -587,7 +638,7 @@ def _ready(self: Batcher, job: Job) -> bool:
     try:
         if job.ids is None: self._encode(job)   # (`complete` has: this is for a job queued by hand)
     except RequestError as e: self._fail(job, e); return False
-    except Exception as e: self._fail(job, RequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}", "prompt")); return False
+    except Exception as e: self._fail(job, RequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}", job.prompt_param)); return False
     if job.echo and job.logprobs is not None:   # the prompts scored, once each
         job.scores = [self._prompt_logprobs(job.ids[r], job.logprobs) for r in range(0, job.size, job.best_of)]
     if job.max_tokens == 0:
@@ -786,11 +837,16 @@ def close(self: Batcher, timeout=30.0, abort=False):
 
 # %% ../nbs/10_serve.ipynb #bcf23168
 @patch
+async def _off_loop(self: Batcher, fn, *args):
+    "`fn(*args)` on the tokenizing thread: what takes long for a big request (a chat template) holds up no other."
+    return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
+
+@patch
 async def _prepare(self: Batcher, job: Job):
     "Tokenize `job` (`_encode`) on the tokenizing thread, not the decoding one; what the tokenizer refuses is a 400."
     try: await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._encode, job)
     except RequestError: raise
-    except Exception as e: raise RequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}", "prompt") from None
+    except Exception as e: raise RequestError(f"cannot tokenize the prompt: {type(e).__name__}: {e}", job.prompt_param) from None
 
 # %% ../nbs/10_serve.ipynb #56ae8fd9
 @patch
@@ -879,9 +935,11 @@ def _completion_logprobs(entries) -> dict | None:
 # %% ../nbs/10_serve.ipynb #7cec76b7
 def _chat_logprobs(entries, n: int) -> dict | None:
     if entries is None: return None
-    item = lambda t, lp: {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace"))}
-    return {"content": [item(e["token"], e["logprob"]) | {"top_logprobs": [item(t, lp) for t, lp in
-                        sorted(e["top"].items(), key=lambda kv: -kv[1])[:n]]} for e in entries]}
+    # each token's own bytes (a character split over tokens: a part each), which a client joins and decodes
+    item = lambda t, lp, b: {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace")) if b is None else b}
+    return {"content": [item(e["token"], e["logprob"], e.get("bytes")) | {"top_logprobs": [
+                        item(t, lp, (e.get("top_bytes") or {}).get(t)) for t, lp in sorted(e["top"].items(), key=lambda kv: -kv[1])[:n]]}
+                        for e in entries]}
 
 def _chat_answer(meta: dict, results: list[dict], n_top) -> dict:
     "The body of a plain `/v1/chat/completions` answer (`n_top`: the `top_logprobs` asked for)."
@@ -957,7 +1015,7 @@ def make_app(lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, model_name="m
     async def chat(request):
         body = await read(request)
         if lm.tokenizer is None: raise RequestError("this model has no tokenizer, so it cannot read messages", "messages")
-        job = parse_chat(body, n_ctx, lambda messages: chat_prompt(lm.tokenizer, messages, chat_template))
+        job = await batcher._off_loop(parse_chat, body, n_ctx, lambda m: chat_prompt(lm.tokenizer, m, chat_template))
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk" if job.stream else "chat.completion",
                 "created": int(time.time()), "model": model_name}
         return await _respond(batcher, request, job, meta, lambda m, rs: _chat_answer(m, rs, job.logprobs), chat=True)

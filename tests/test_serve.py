@@ -357,6 +357,43 @@ def test_chat_completions_plain_and_streamed_through_the_template(servers, demo)
             model="demo", messages=messages, max_tokens=2)
 
 
+def test_offsets_of_split_characters_and_the_chat_apis_own_names(server, demo):
+    """Echoed logprobs of text whose characters split over tokens (an emoji, Japanese): one entry per token, each offset
+    where the text the tokens before it make whole ends; chat's bytes join to the text; chat errors name chat's fields."""
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    text = "Tea 😀 and 日本語, ok"
+    ids = demo.tokenizer(text).input_ids
+    lp = client.completions.create(model="demo", prompt=text, max_tokens=0, logprobs=1, echo=True).choices[0].logprobs
+    assert len(lp.tokens) == len(ids) and any("\ufffd" in t for t in lp.tokens)   # some tokens are parts of a character
+    whole = [len(os.path.commonprefix([demo.tokenizer.decode(ids[:k]), text])) for k in range(len(ids))]
+    assert lp.text_offset == whole
+    messages = [{"role": "user", "content": "Tell me about 日本."}]
+    c = client.chat.completions.create(model="demo", messages=messages, max_tokens=6, temperature=0, logprobs=True)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens and bytes(sum((t.bytes for t in content), [])).decode() == c.choices[0].message.content
+    # a null max_completion_tokens is unset (max_tokens counts); chat's errors name chat's own fields
+    r = server.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3, "max_completion_tokens": None})
+    assert r.json()["usage"]["completion_tokens"] == 3
+    err = server.post("/v1/chat/completions", json={"messages": messages, "max_completion_tokens": 0}).json()["error"]
+    assert err["param"] == "max_completion_tokens" and "max_completion_tokens=0" in err["message"]
+    long = [{"role": "user", "content": "tea " * demo.config.n_ctx}]
+    err = server.post("/v1/chat/completions", json={"messages": long, "max_tokens": 4}).json()["error"]
+    assert (err["param"], err["code"]) == ("messages", "context_length_exceeded"), err
+    err = server.post("/v1/completions", json={"prompt": ["a", "b"], "n": 40, "max_tokens": 1}).json()["error"]
+    assert err["param"] == "n" and "80 completions" in err["message"], err
+
+
+def test_offsets_start_after_a_bos_the_tokenizer_added(demo):
+    "A BOS that Llama's tokenizers put before the text is not in it: it starts at 0, and the text's tokens where they are."
+    from meshtx.serve import Batcher
+    b, tok = Batcher(demo, continuous=False), demo.tokenizer
+    eot = tok.eos_token_id
+    assert b._offsets([eot] + tok("Hello world").input_ids, "Hello world") == [0, 0, 5]
+    assert b._offsets(tok("a<|endoftext|>b").input_ids, "a<|endoftext|>b") == [0, 1, 14]   # one the text holds: in place
+    assert b._offsets(tok(" 日本").input_ids, " 日本") == [0, 1, 1, 2, 2]   # five tokens: " " and a byte, then bytes
+
+
 def test_big_bodies_prompts_and_stops_are_refused_before_they_are_read_or_tokenized(server, demo):
     import socket
     big = b'{"prompt": "' + b"x" * (50 * 2**20) + b'"}'
