@@ -135,6 +135,7 @@ def _add_convert(sub):
 # %% ../nbs/12_cli.ipynb #411bbeb3
 def _load_model(args):
     from meshtx.lm import LM
+    if args.preset and getattr(args, "model", None): raise ValueError("give --model or --preset, not both")
     if args.preset: return LM.init(args.preset, seed=args.init_seed)
     if not args.model: raise ValueError("give --model (hub id, HF directory or meshtx checkpoint) or --preset")
     return LM.load(args.model, dtype=args.dtype, progress=not args.quiet)
@@ -227,7 +228,8 @@ def _add_demo(sub):
     s = sub.add_parser("demo", help="train a small GPT-J from scratch, offline, in a few minutes")
     s.add_argument("--out", default="meshtx-demo", help="where the checkpoint and loss.png go")
     s.add_argument("--steps", type=_positive, default=900, help="training steps (default 900: ~2.5 min on 2 CPU cores)")
-    s.add_argument("--seconds", type=float, default=600, help="stop earlier if training takes longer than this")
+    s.add_argument("--seconds", type=_number("seconds", lambda v: v > 0, "> 0"), default=600,
+                   help="stop earlier if training takes longer than this")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_demo)
@@ -529,6 +531,11 @@ def main(argv=None) -> int:
         return 0
     except (ValueError, OSError, ImportError) as e:   # OSError: a file that exists, is missing or may not be written
         print(f"meshtx: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:   # JAX's out-of-memory error (jax is imported only by the commands that need it)
+        if type(e).__name__ != "JaxRuntimeError" or "RESOURCE_EXHAUSTED" not in str(e): raise
+        print(f"meshtx: error: out of memory ({str(e).splitlines()[0][:200]}): use a smaller --batch or --seq, LoRA, "
+              "or more devices; `meshtx plan` says what fits", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)

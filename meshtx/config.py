@@ -227,6 +227,8 @@ def from_dict(cls: ModelConfig, d: dict) -> ModelConfig:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - known)
     if unknown: raise ValueError(f"unknown ModelConfig field(s) {unknown}; known fields are {sorted(known)}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in d]
+    if missing: raise ValueError(f"missing ModelConfig field(s) {missing}: a model's shape needs each of them")
     return cls(**d)
 
 @patch

@@ -94,8 +94,10 @@ def source_files(sources, storage_options=None, exclude=()) -> list[tuple[fsspec
             files += source_files(read_index(source, storage_options), storage_options, exclude); continue
         found = _found(fs, path, source)
         if len(found) > 1: found = _without_datasets(fs, found)
-        found = [p for p in found if not inside(fs, p)]
-        if not found: raise FileNotFoundError(f"{source}: no files there")
+        kept = [p for p in found if not inside(fs, p)]
+        if found and not kept: raise ValueError(f"{source}: inside the output folder {exclude[0]}, which is never read as data")
+        if not kept: raise FileNotFoundError(f"{source}: no files there")
+        found = kept
         files += [(fs, p) for p in found]
     return files
 
@@ -620,6 +622,7 @@ def prepare_data(sources, out, tokenizer, seq: int = 2048, *, val_fraction: floa
                  eot_id: int | None = None, storage_options=None, progress: bool = True, exclude=()) -> "TokenData":
     """Tokenize `sources`, pack them into windows of `seq + 1` tokens, hold out `val_fraction` of the windows, write `out`.
     Files in `out` and in the folders `exclude` are never sources."""
+    if not os.fspath(out).strip(): raise ValueError("out is empty: give the folder the dataset is written to")
     tok = resolve_tokenizer(tokenizer)
     vocab, eot, dtype = _check_args(tok, eot_id, seq, val_fraction)
     check_bucket(os.fspath(out), **(storage_options or {}))   # before the tokenizing, not after it

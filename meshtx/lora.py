@@ -10,7 +10,7 @@ import json, os, tempfile
 from pathlib import Path
 import numpy as np
 import jax, jax.numpy as jnp
-from .config import ModelConfig, LoRAConfig
+from .config import ModelConfig, LoRAConfig, family_name
 from .model import gptj
 from typing import TYPE_CHECKING
 if TYPE_CHECKING: from meshtx.lm import LM
@@ -37,6 +37,9 @@ def join(base: dict, adapters: dict) -> dict:
 # %% ../nbs/07a_lora.ipynb #d347fc7c
 def init_lora(config: ModelConfig, lora: LoRAConfig, seed: int = 0, mesh=None) -> dict:
     "Fresh adapters for `config` (float32; `B` = 0, so the model is unchanged until trained); replicated on `mesh`."
+    if not config.gated_mlp and lora.targets == ("fc_gate",):   # a target the family lacks is skipped; none left: an error
+        raise ValueError(f"LoRA targets ['fc_gate']: {family_name(config)}'s MLP has no gate (fc_gate), so there is nothing "
+                         "to adapt; choose from q, k, v, out, fc_in, fc_out")
     def adapters(key): return split_adapters(gptj(config, lora=lora).init(key, jnp.zeros((1, 1), jnp.int32)))[1]
     out = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.jit(adapters, out_shardings=out)(jax.random.key(seed))

@@ -270,6 +270,8 @@ def _encode_prompts(lm: LM, prompts) -> list[list[int]]:
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             if lm.tokenizer is None: raise ValueError("this LM has no tokenizer: pass token ids, not text")
+            if (bad := next((k for k, c in enumerate(p) if "\ud800" <= c <= "\udfff"), None)) is not None:   # undecodable bytes read in
+                raise ValueError(f"prompt {i} is not Unicode text: character {bad} is a lone surrogate ({p[bad]!r}, e.g. a byte that is not UTF-8)")
             p = lm.tokenizer(p).input_ids
         if not isinstance(p, (list, tuple, np.ndarray)): raise ValueError(f"prompt {i} must be text or a list of token ids, not {p!r}")
         bad = next((t for t in p if isinstance(t, bool) or not isinstance(t, (int, np.integer))), None)

@@ -64,6 +64,9 @@ def load_tokenizer(path_or_repo_id, **kwargs):
     if (Path(path_or_repo_id) / ByteTokenizer.FILE).exists(): return ByteTokenizer()
     AutoTokenizer = quiet_transformers().AutoTokenizer
     d = Path(path_or_repo_id)
+    if d.is_file() or (not d.exists() and (d.is_absolute() or str(path_or_repo_id).startswith((".", "~")))):
+        raise ValueError(f"tokenizer {path_or_repo_id}: {'a file, not a directory' if d.is_file() else 'no such directory'}")
+    if d.is_dir() and not any(d.iterdir()): raise ValueError(f"tokenizer {path_or_repo_id}: an empty directory")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json"):
         if (d / name).is_file(): read_json(d / name)   # a damaged file named here, not as a bare JSONDecodeError from transformers
     return AutoTokenizer.from_pretrained(str(path_or_repo_id), **kwargs)

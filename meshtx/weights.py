@@ -332,9 +332,9 @@ def hf_tensors(params: dict, config: ModelConfig, dtype=None):
 
 def _parse_size(s) -> int:
     if isinstance(s, int): return s
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B)\s*", str(s).upper())
-    if not m: raise ValueError(f"max_shard_size={s!r}: use bytes or a size like '5GB', '200MB'")
-    return int(float(m[1]) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[m[2]])
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*((?:[KMG]I?)?B)?\s*", str(s).upper())   # Hugging Face's units; bare: bytes
+    if not m: raise ValueError(f"max_shard_size={s!r}: use bytes or a size like '5GB', '200MB', '2GiB'")
+    return int(float(m[1]) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[m[2] or "B"])
 
 # %% ../nbs/02_weights.ipynb #2885e38e
 # the files a save writes, which replace an earlier save's (with the temporaries that earlier versions could leave)

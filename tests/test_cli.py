@@ -196,3 +196,40 @@ def test_cli_newcomer_fixes(tmp_path):
     assert r.returncode == 2 and "runs lm_eval's `meshtx` model" in r.stderr
     r = meshtx("train", "--help")
     assert r.returncode == 0 and "example config" in r.stdout and '"train_set"' in r.stdout
+
+
+def test_careless_inputs_get_one_line_errors(tmp_path):
+    "What a careless user types: each refused in one line that names it, before anything is written or trained."
+    (tmp_path / "c.txt").write_text("hello world\n")
+    r = meshtx("demo", "--seconds", "0")
+    assert r.returncode == 2 and "--seconds: invalid seconds=0.0: must be > 0" in r.stderr, r.stderr
+    r = meshtx("sample", "--model", tmp_path / "x", "--preset", "demo", "--prompt", "hi")
+    assert r.returncode == 2 and "give --model or --preset, not both" in r.stderr, r.stderr
+    r = meshtx("prepare-data", tmp_path / "c.txt", "--out", "")   # an unset $OUT: not the current folder
+    assert r.returncode == 2 and "out is empty" in r.stderr and not Path("header.json").exists(), r.stderr
+    r = meshtx("prepare-data", tmp_path / "c.txt", "--out", tmp_path)
+    assert r.returncode == 2 and "inside the output folder" in r.stderr, r.stderr
+    r = meshtx("prepare-data", tmp_path / "c.txt", "--out", tmp_path / "o", "--tokenizer", tmp_path / "no-such-tok")
+    assert r.returncode == 2 and "no-such-tok: no such directory" in r.stderr, r.stderr
+    r = meshtx("sample", "--preset", "demo", "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape"), "--max-new-tokens", "2")
+    assert r.returncode == 2 and "lone surrogate" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    for argv in (("convert", tmp_path / "m", tmp_path / "hf", "--max-shard-size", "70000"),   # plain bytes, as HF takes
+                 ("convert", tmp_path / "m", tmp_path / "hf2", "--max-shard-size", "1MiB")):
+        if not (tmp_path / "m").exists(): LM.init("tiny").save(tmp_path / "m")
+        r = meshtx(*argv, "--to", "hf")
+        assert r.returncode == 0, r.stderr
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1 and len(list((tmp_path / "hf2").glob("*.safetensors"))) == 1
+    (tmp_path / "m" / "meshtx_config.json").write_text('{"d_model": 64}')
+    r = meshtx("convert", tmp_path / "m", tmp_path / "hf3", "--to", "hf")
+    assert r.returncode == 2 and "missing ModelConfig field(s) ['n_layer', 'n_head', 'n_vocab']" in r.stderr, r.stderr
+
+
+def test_out_of_memory_is_one_line_that_says_what_to_do(monkeypatch, capsys):
+    import jax
+    from meshtx import cli
+    def boom(args): raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 67266406200 bytes.")
+    monkeypatch.setattr(cli, "cmd_plan", boom)
+    monkeypatch.setattr(cli.argparse.ArgumentParser, "parse_args", lambda self, argv=None: cli.argparse.Namespace(func=boom))
+    assert cli.main(["plan"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshtx: error: out of memory (RESOURCE_EXHAUSTED") and "meshtx plan" in err and "Traceback" not in err

@@ -66,6 +66,9 @@ def test_lora_config_errors():
     with pytest.raises(ValueError, match="no LoRA adapters"): lm.merge_lora()
     lm.add_lora(2)
     with pytest.raises(ValueError, match="already has LoRA"): lm.add_lora(2)
+    gptj = LM.init("tiny")   # GPT-J's MLP has no gate: fc_gate alone adapts nothing, beside others it is skipped
+    with pytest.raises(ValueError, match=r"GPT-J's MLP has no gate \(fc_gate\)"): gptj.add_lora(LoRAConfig(rank=2, targets=["fc_gate"]))
+    gptj.add_lora(LoRAConfig(rank=2, targets=["q", "fc_gate"]))
 
 
 KILL_AT = """
