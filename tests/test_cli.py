@@ -233,3 +233,17 @@ def test_out_of_memory_is_one_line_that_says_what_to_do(monkeypatch, capsys):
     assert cli.main(["plan"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("meshtx: error: out of memory (RESOURCE_EXHAUSTED") and "meshtx plan" in err and "Traceback" not in err
+
+
+def test_convert_keeps_the_dtype_the_tensors_have_when_config_json_names_none(tmp_path):
+    "A float16 checkpoint whose config.json names no dtype converts back as float16 (its tensors say so), bit for bit."
+    import json
+    from safetensors.numpy import load_file
+    LM.init("tiny").save_hf(tmp_path / "hf", dtype="float16", progress=False)
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}))
+    for src, dst in (("hf", "mtx"), ("mtx", "back")):
+        r = meshtx("convert", tmp_path / src, tmp_path / dst, "-q")
+        assert r.returncode == 0, r.stderr
+    a, b = (load_file(next((tmp_path / d).glob("*.safetensors"))) for d in ("hf", "back"))
+    assert a.keys() == b.keys() and all(b[k].dtype == np.float16 and np.array_equal(a[k], b[k]) for k in a)

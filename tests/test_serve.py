@@ -392,6 +392,11 @@ def test_offsets_start_after_a_bos_the_tokenizer_added(demo):
     assert b._offsets([eot] + tok("Hello world").input_ids, "Hello world") == [0, 0, 5]
     assert b._offsets(tok("a<|endoftext|>b").input_ids, "a<|endoftext|>b") == [0, 1, 14]   # one the text holds: in place
     assert b._offsets(tok(" 日本").input_ids, " 日本") == [0, 1, 1, 2, 2]   # five tokens: " " and a byte, then bytes
+    from meshtx.serve import Job   # a model without a tokenizer has no text, but its logprobs still name each token's id
+    bare = Batcher(LM.init("tiny"), continuous=False)
+    job = Job([[1, 2, 3]], max_tokens=3, temperature=0, logprobs=1); bare._encode(job)
+    [r] = bare._drain([(job, 0)], bare._open([(job, 0)]))
+    assert r["text"] == "" and [e["token"] for e in r["logprobs"]] == [str(t) for t in LM.init("tiny").generate([[1, 2, 3]], max_new_tokens=3, temperature=0).tokens[0]]
 
 
 def test_big_bodies_prompts_and_stops_are_refused_before_they_are_read_or_tokenized(server, demo):
