@@ -75,8 +75,10 @@ class ModelConfig(Switches):
     eos_token_id: int | None = None  # the end-of-text token generation stops at; None: `end_of_text`'s default
     bos_token_id: int | None = None  # kept for Hugging Face's config.json; None: the same default
     pad_token_id: int | None = None  # kept for Hugging Face's config.json; None: none
+    end_token_ids: tuple = ()        # other tokens a text ends at, as at eos_token_id (Llama 3 Instruct's <|eot_id|>)
 
     def __post_init__(self):   # the defaults that follow from other fields, then the checks (next cell)
+        if isinstance(self.end_token_ids, list): object.__setattr__(self, "end_token_ids", tuple(self.end_token_ids))
         if self.family not in FAMILIES:
             raise ValueError(f"family={self.family!r} is not one of {tuple(FAMILIES)}")
         if self.d_head is None:
@@ -128,6 +130,8 @@ LIMIT_WHY = dict(n_layer="the deepest real models have about 128", d_model="the 
                  rotary_dim="at most d_head", n_vocab="token ids are 32-bit integers",
                  n_ctx="16 M positions; real models have at most about 1 M")
 
+def _is_id(v) -> bool: return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**31
+
 def _check_positive(name, value):
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -170,6 +174,9 @@ def _check_numbers(c: ModelConfig):
             raise ValueError(f"{f}={v!r} must be a token id (an integer ≥ 0) or None")
         if v is not None and v >= 2**31:
             raise ValueError(f"{f}={v} is not a token id: ids are 32-bit (below 2,147,483,648)")
+    ends = c.end_token_ids
+    if not isinstance(ends, tuple) or not all(_is_id(t) for t in ends):
+        raise ValueError(f"end_token_ids={ends!r} must be token ids (integers from 0 to 2**31 - 1)")
 
 # %% ../nbs/00_config.ipynb #fa100005
 def _check_choices(c: ModelConfig):
@@ -284,14 +291,26 @@ def _hf_dict(hf) -> dict:
     return hf if isinstance(hf, dict) else hf.to_dict()
 
 def _token(d: dict, name: str):
-    "A checkpoint's own token id, as its config.json names it (what HF's generate uses)."
+    "A checkpoint's own token id, as its config.json names it (what HF's generate uses); of a list, the first."
     v = d.get(name)
-    if isinstance(v, list):   # Hugging Face allows several end tokens; meshtx stops at one
-        if len(v) > 1: warnings.warn(f"{name}={v}: meshtx uses the first, {v[0]}")
-        v = v[0] if v else None
-    return v
+    return (v[0] if v else None) if isinstance(v, list) else v
 
-def _tokens(d: dict) -> dict: return {k: _token(d, k) for k in ("eos_token_id", "bos_token_id", "pad_token_id")}
+def _ids(v) -> list: return list(v) if isinstance(v, list) else [] if v is None else [v]
+
+def _tokens(d: dict, generation: dict | None = None) -> dict:
+    """The token ids of a config.json; Hugging Face's list of end tokens (config.json's, or generation_config.json's,
+    which HF's `generate` reads) as the first and `end_token_ids`, the others."""
+    out = {k: _token(d, k) for k in ("eos_token_id", "bos_token_id", "pad_token_id")}
+    ends = _ids(d.get("eos_token_id")) + _ids((generation or {}).get("eos_token_id"))
+    return out | dict(end_token_ids=tuple(dict.fromkeys(t for t in ends if t != out["eos_token_id"])))
+
+def _generation_dict(hf) -> dict:
+    "A checkpoint directory's generation_config.json (what HF's `generate` reads), if it has one."
+    p = Path(hf) if isinstance(hf, (str, os.PathLike)) else None
+    p = p and (p if p.is_dir() else p.parent) / "generation_config.json"
+    if not (p and p.is_file()): return {}
+    from meshtx.storage import read_json
+    return read_json(p)
 
 # %% ../nbs/00_config.ipynb #fa000003
 def _from_gptj(d: dict) -> dict:
@@ -435,7 +454,7 @@ def from_hf(cls: ModelConfig, hf, **overrides) -> ModelConfig:
     if fields.get("activation") not in (None, *CHOICES["activation"]):
         key = "activation_function" if mt == "gptj" else "hidden_act"
         raise ValueError(f"{key}={fields['activation']!r} is not supported: meshtx knows {CHOICES['activation']}")
-    return cls.from_dict(fields | _tokens(d) | overrides)   # an override wins, even over the checkpoint's value
+    return cls.from_dict(fields | _tokens(d, _generation_dict(hf)) | overrides)   # an override wins, even over the checkpoint's
 
 # %% ../nbs/00_config.ipynb #005a0cd2
 RUN_FIELDS = ("param_dtype", "compute_dtype", "remat", "remat_policy", "attention", "cache_read")   # how, not what, runs
@@ -483,7 +502,8 @@ def to_hf(self: ModelConfig):
                          "Hugging Face's GPT-J requires d_head = d_model / n_head")
     bos = self.bos_token_id if self.bos_token_id is not None else self.end_of_text
     config_class, model_class = HF_CLASSES[self.family]
-    hf = getattr(quiet_transformers(), config_class)(**_hf_kwargs(self), bos_token_id=bos, eos_token_id=self.end_of_text,
+    eos = [self.end_of_text, *self.end_token_ids] if self.end_token_ids else self.end_of_text   # HF's list of end tokens
+    hf = getattr(quiet_transformers(), config_class)(**_hf_kwargs(self), bos_token_id=bos, eos_token_id=eos,
                                                       pad_token_id=self.pad_token_id, architectures=[model_class])
     back = ModelConfig.from_hf(hf, **{f: getattr(self, f) for f in RUN_FIELDS})
     ctx = lambda c: c.rope_original_ctx or c.n_ctx   # None: the model's own context, as written

@@ -19,7 +19,7 @@ if TYPE_CHECKING: from meshtx.lm import LM   # for annotations only: the model i
 # %% auto #0
 __all__ = ['MAX_STOPS', 'STOP_TOKENS', 'apply_repetition_penalty', 'apply_presence_frequency', 'top_k_filter', 'top_p_filter',
            'Options', 'top1', 'choose', 'model_logprobs', 'State', 'stopped', 'Generation', 'per_row', 'check_option',
-           'stop_table', 'cut_at_stop', 'token_text', 'Stream', 'generate', 'unescape_stop', 'escape_stop']
+           'and_ends', 'stop_table', 'cut_at_stop', 'token_text', 'Stream', 'generate', 'unescape_stop', 'escape_stop']
 
 # %% ../nbs/05_sampling.ipynb #d198f757
 def apply_repetition_penalty(logits, seen, penalty):
@@ -283,6 +283,12 @@ def _encode_prompts(lm: LM, prompts) -> list[list[int]]:
     return ids
 
 # %% ../nbs/05_sampling.ipynb #68b63ff8
+def and_ends(stop, ends) -> list | None:
+    "`stop` and the token ids `ends` (each a one-token stop, if not one already): a text ends at them as at end-of-text."
+    if not ends: return stop
+    stop = [stop] if isinstance(stop, (str, int, np.integer)) and not isinstance(stop, bool) else list(stop or [])
+    return stop + [t for t in ends if t not in stop]
+
 def stop_table(lm: LM, stop):
     """Stop sequences (strings, token ids or token-id lists) as the right-aligned token ids `[MAX_STOPS, STOP_TOKENS]`
     the loop compares, plus the strings among them, which the host compares as text."""
@@ -365,8 +371,12 @@ def cut_at_stop(text: str, stop_strings) -> tuple[str, bool]:
     return (text, False) if cut < 0 else (text[:cut], True)
 
 def token_text(lm: LM, toks, eos: int) -> str:
-    "The text of generated tokens `toks`, without the end-of-text token `eos` (empty for a model without a tokenizer)."
-    return lm.tokenizer.decode([t for t in toks if t != eos]) if lm.tokenizer is not None else ""
+    """The text of generated tokens `toks`, without the end-of-text token `eos` (nor, where `eos` is the model's own, one
+    of its other end tokens that ends them: `end_token_ids`); empty for a model without a tokenizer."""
+    if lm.tokenizer is None: return ""
+    toks = [t for t in toks if t != eos]
+    if toks and eos == lm.eos_token_id and toks[-1] in lm.config.end_token_ids: toks = toks[:-1]
+    return lm.tokenizer.decode(toks)
 
 # %% ../nbs/05_sampling.ipynb #e2a8ee90
 def _ends_with(toks, stops):
@@ -493,9 +503,10 @@ def generate(lm: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, to
     bias, kb, k = _bias_rows(logit_bias, B, V), _top_bucket(top_logprobs, V), top_logprobs
     if stream and logprobs: raise ValueError("logprobs are not streamed: call generate without stream=True for them")
     ids = _fit(lm, ids, o["max_new_tokens"], truncate)
+    ends = lm.config.end_token_ids if eos_token_id == "auto" else ()   # the model's other end tokens (Llama 3's <|eot_id|>)
     if eos_token_id == "auto": eos_token_id = lm.eos_token_id
     eos = -1 if eos_token_id is None else int(eos_token_id)
-    stops, stop_strings = stop_table(lm, stop)
+    stops, stop_strings = stop_table(lm, and_ends(stop, ends))
     tokens, mask, opts, limit, N = _batch(lm, ids, o, bias)
     if jax.process_count() == 1:   # on the devices once (the bias is [B, V]), not again at every device call
         opts = jax.device_put(opts, None if lm.mesh is None else NamedSharding(lm.mesh, P_()))

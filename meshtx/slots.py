@@ -14,7 +14,7 @@ from fastcore.basics import patch
 from jax.sharding import NamedSharding, PartitionSpec as P_
 from .model import KVCache, gptj, no_hint, cache_dtype
 from .sharding import activation_hint
-from .sampling import (Options, State, stop_table, cut_at_stop, token_text,
+from .sampling import (Options, State, stop_table, and_ends, cut_at_stop, token_text,
                              per_row, _row_options, _bias_rows, _top_bucket, _bucket, _fit, _on_weights, _encode_prompts,
                              _first_stop, _ends_with, _host, _compiled, _decode, _LOOP_OPTIONS)
 if TYPE_CHECKING: from meshtx.lm import LM   # for annotations only: the model is an argument, as in `meshtx.sampling`
@@ -138,6 +138,7 @@ class Slots:
         self.top_logprobs, self.k = top_logprobs, _top_bucket(top_logprobs, V) if top_logprobs is not None else 0
         eos = lm.eos_token_id if eos_token_id == "auto" else eos_token_id
         self.eos = -1 if eos is None else int(eos)
+        self._ends = lm.config.end_token_ids if eos_token_id == "auto" else ()   # the model's other end tokens
         self._fns, self._call, self.lora = _programs(lm), _on_weights(lm), lm.lora
         B, N, k, z = rows, self.max_len, self.k, jnp.zeros
         empty = lambda cache: State(cache, z((B, V), jnp.float32), z((B, N), jnp.int32), z((B, N), jnp.float32),
@@ -188,7 +189,8 @@ def add(self: Slots, prompts, max_new_tokens=64, temperature=1.0, top_k=None, to
     o = _row_options(n, temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                      max_new_tokens=max_new_tokens, seed=seed)
-    bias, (stops, strings), tops = _bias_rows(logit_bias, n, lm.config.n_vocab), stop_table(lm, stop), self._asked(top_logprobs, n)
+    bias, (stops, strings) = _bias_rows(logit_bias, n, lm.config.n_vocab), stop_table(lm, and_ends(stop, self._ends))
+    tops = self._asked(top_logprobs, n)
     ids, free = _fit(lm, ids, o["max_new_tokens"], truncate), self.free()
     if n > len(free): raise ValueError(f"{n} prompts, but only {len(free)} of the {B} rows are free")
     for i, p in enumerate(ids):

@@ -137,6 +137,36 @@ def test_config_json_without_derived_keys(family, drop, tmp_path):
     npt.assert_allclose(np.asarray(lm.logits(tokens)), hf_logits(ref_model, tokens), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parity
+@pytest.mark.parametrize("where", ["config.json", "generation_config.json"])
+def test_a_list_of_end_tokens_ends_generation_as_hf_does(where, tmp_path):
+    """Llama 3 Instruct lists several end tokens (<|end_of_text|>, <|eot_id|>, ...), in config.json or only in
+    generation_config.json: generation ends at any of them, as HF's does, and they are written back."""
+    import json, torch
+    model = make_hf(LLAMA)
+    model.save_pretrained(tmp_path / "ckpt")
+    prompt = [[3, 1, 4, 1, 5]]
+    free = LM.from_hf(tmp_path / "ckpt", dtype="float32", progress=False).generate(
+        prompt, max_new_tokens=12, temperature=0, eos_token_id=None).tokens[0]
+    end = free[3]   # a token greedy decoding reaches: as an end token, generation stops at its first
+    k = free.index(end)
+    eos = LLAMA.end_of_text
+    f = tmp_path / "ckpt" / where
+    if where == "config.json": (tmp_path / "ckpt" / "generation_config.json").unlink()   # else HF reads that one's
+    d = json.loads(f.read_text()) if f.exists() else {}
+    f.write_text(json.dumps(d | {"eos_token_id": [eos, end]}))
+    lm = LM.from_hf(tmp_path / "ckpt", dtype="float32", progress=False)
+    assert (lm.eos_token_id, lm.config.end_token_ids) == (eos, (end,))
+    g = lm.generate(prompt, max_new_tokens=12, temperature=0)
+    assert (g.tokens[0], g.finish_reasons[0]) == (free[:k + 1], "stop")
+    hf = quiet_transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 5:].tolist()
+    assert g.tokens[0] == want
+    lm.save_hf(tmp_path / "out", progress=False)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == [eos, end]
+
+
 YARN = {   # Hugging Face configs as written, in the keys transformers 5 reads (4.45 measured YaRN's ramp on the full context)
     "qwen2, own original context, no rounding, attention factor given":
         dict(model_type="qwen2", rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=40,
