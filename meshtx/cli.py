@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/cli.html.md"""
 
 # %% ../nbs/12_cli.ipynb #3cc84568
 from __future__ import annotations
-import argparse, importlib.metadata, json, math, os, platform, signal, socket, sys, threading
+import argparse, importlib.metadata, math, os, platform, signal, socket, sys, threading
 from pathlib import Path
 
 # %% auto #0
@@ -77,11 +77,10 @@ def _stored_dtype(path) -> str:
     """The dtype a Hugging Face checkpoint's weights are in: its safetensors' own (one dtype in the first file's header),
     else what config.json says, else float32."""
     from meshtx.storage import read_json
+    from meshtx.weights import _Safetensors
     names = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
     try:
-        with open(sorted(Path(path).glob("*.safetensors"))[0], "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        kinds = {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+        kinds = {dt for _, dt in _Safetensors(sorted(Path(path).glob("*.safetensors"))[0]).where.values()}
         if len(kinds) == 1 and (dt := names.get(kinds.pop())): return dt
     except Exception: pass   # none, or not readable: the loader says why
     c = read_json(Path(path) / "config.json")
