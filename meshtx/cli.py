@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/cli.html.md"""
 
 # %% ../nbs/12_cli.ipynb #3cc84568
 from __future__ import annotations
-import argparse, importlib.metadata, math, os, platform, signal, socket, sys, threading
+import _thread, argparse, contextlib, importlib.metadata, math, os, platform, signal, socket, sys, threading, time
 from pathlib import Path
 
 # %% auto #0
@@ -27,6 +27,7 @@ _temperature = _number("temperature", lambda v: v >= 0, "≥ 0 (0: greedy)")
 _top_p = _number("top_p", lambda v: 0 <= v <= 1, "between 0 and 1")
 _penalty = _number("repetition_penalty", lambda v: v > 0, "> 0 (1: none)")
 _top_k = _number("top_k", lambda v: v >= -1, "≥ 0 (0 or -1: off)", int)
+_fraction = _number("val_fraction", lambda v: 0 <= v < 1, "in [0, 1)")
 
 # %% ../nbs/12_cli.ipynb #c2518282
 def _positive(s: str) -> int:
@@ -185,7 +186,7 @@ def _read_prompts(run) -> int:
         line = sys.stdin.readline()
         if not line: return 0
         if not line.strip(): continue
-        try: run(line.rstrip("\n"))
+        try: run(line.rstrip("\r\n"))   # a file saved on Windows ends its lines in \r\n
         except KeyboardInterrupt:   # at a terminal, Ctrl-C stops this generation; another one at the prompt quits
             if not interactive: raise
 
@@ -306,7 +307,7 @@ def _add_prepare_data(sub):
     s.add_argument("--out", required=True, help="output directory (local or gs://)")
     s.add_argument("--tokenizer", default="gpt2", help="'gpt2' (offline), 'bytes', a hub id or a directory (default gpt2)")
     s.add_argument("--seq", type=_positive, default=2048, help="tokens per training sequence (windows hold seq + 1; default 2048)")
-    s.add_argument("--val-fraction", type=float, default=0.0, help="fraction of windows held out for validation (default 0)")
+    s.add_argument("--val-fraction", type=_fraction, default=0.0, help="fraction of windows held out for validation (default 0)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_prepare_data)
@@ -362,15 +363,15 @@ def _add_finetune(sub):
     s.add_argument("--data", required=True, nargs="+", help="text/jsonl files or folders, or a prepared dataset")
     s.add_argument("--out", default="meshtx-finetune", help="output directory (checkpoints, model, adapters, loss.png)")
     s.add_argument("--lora", type=int, nargs="?", const=8, help="train LoRA adapters of this rank (default 8) instead of all weights")
-    s.add_argument("--lora-alpha", type=float, help="LoRA scale numerator: adapters are scaled by alpha / rank "
+    s.add_argument("--lora-alpha", type=_number("lora_alpha", lambda v: v > 0, "> 0"), help="LoRA scale numerator: adapters are scaled by alpha / rank "
                    "(default 2 × rank, as LoRAConfig)")
     s.add_argument("--lora-targets", help="comma-separated: q,k,v,out,fc_in,fc_gate,fc_out (default all; fc_gate: gated MLPs, Llama's)")
     s.add_argument("--steps", type=_positive, default=100, help="optimizer steps (default 100)")
     s.add_argument("--batch", type=_positive, default=8, help="sequences per micro-batch (global; default 8); a step trains batch × accum")
     s.add_argument("--accum", type=_positive, default=1, help="micro-batches per step (gradient accumulation; default 1)")
     s.add_argument("--seq", type=_positive, help="tokens per sequence (default min(n_ctx, 1024))")
-    s.add_argument("--lr", type=float, help="peak learning rate (default 3e-4 with LoRA, 3e-5 without)")
-    s.add_argument("--val-fraction", type=float, default=0.05, help="fraction of windows held out for validation (default 0.05)")
+    s.add_argument("--lr", type=_number("lr", lambda v: v > 0, "> 0"), help="peak learning rate (default 3e-4 with LoRA, 3e-5 without)")
+    s.add_argument("--val-fraction", type=_fraction, default=0.05, help="fraction of windows held out for validation (default 0.05)")
     s.add_argument("--dtype", choices=["float32", "bfloat16"], help="parameter dtype (default bfloat16 with LoRA, else float32 "
                    "masters; a full fine-tune in bfloat16 keeps bfloat16 Adam moments too)")
     s.add_argument("--no-remat", action="store_true", help="keep activations instead of recomputing them (faster, more memory; "
@@ -481,7 +482,7 @@ def _add_serve(sub):
     s.add_argument("--max-batch", type=_positive, default=8, help="most prompts decoded together; a request with more runs as several calls (default 8)")
     s.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long to gather requests into a batch (default 5)")
     s.add_argument("--static-batching", action="store_true", help="decode whole batches of the requests that arrive together, streams one at a time, instead of continuous batching")
-    s.add_argument("--slot-len", type=_positive, default=None, help="tokens (prompt and new) each continuous-batching row holds; a longer request runs alone as a batch (default: as many as half the memory free at start holds, at most n_ctx)")
+    s.add_argument("--slot-len", type=_positive, default=None, help="tokens (prompt and new) each continuous-batching row holds; a longer request runs alone as a batch, and one without max_tokens generates to the end of a row (default: as many as half the memory free at start holds, at most n_ctx)")
     s.add_argument("--max-queue", type=_positive, default=64, help="most prompts waiting; more are refused with 503 (default 64)")
     s.add_argument("--cors-origin", action="append", help="allow browser requests from this origin (repeatable)")
     s.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for /v1/chat/completions (default: the tokenizer's own)")
@@ -517,6 +518,26 @@ def _join_job():
 # %% ../nbs/12_cli.ipynb #09629cf7
 def _terminated(signum, frame): raise SystemExit(128 + signum)
 
+# %% ../nbs/12_cli.ipynb #56514fcd
+def _send_again(signum, after=0.05):
+    "Send this process `signum` again, `after` seconds from now (from a thread of its own: the main one is not waited on)."
+    _thread.start_new_thread(lambda: (time.sleep(after), os.kill(os.getpid(), signum)), ())
+
+@contextlib.contextmanager
+def _unwinding():
+    """Within: SIGTERM (a scheduler, a preempted VM) unwinds like Ctrl-C, so staging folders and temporary files are
+    removed. Python drops any exception raised inside a garbage collector's callback (JAX has one), so a signal that
+    strikes there would be lost, and the command run on: such a signal is sent again, to land outside it."""
+    if threading.current_thread() is not threading.main_thread(): yield; return   # signals reach the main thread only
+    previous, hook = signal.signal(signal.SIGTERM, _terminated), sys.unraisablehook
+    def dropped(u):
+        if isinstance(u.exc_value, KeyboardInterrupt): _send_again(signal.SIGINT)
+        elif isinstance(u.exc_value, SystemExit) and u.exc_value.code == 128 + signal.SIGTERM: _send_again(signal.SIGTERM)
+        else: hook(u)
+    sys.unraisablehook = dropped
+    try: yield
+    finally: signal.signal(signal.SIGTERM, previous); sys.unraisablehook = hook
+
 # %% ../nbs/12_cli.ipynb #5b0266e2
 def main(argv=None) -> int:
     "Entry point of the `meshtx` console script."
@@ -527,12 +548,10 @@ def main(argv=None) -> int:
     if os.environ.get("MESHTX_CACHE_DIR", "").lower() != "off":
         from meshtx.lm import enable_compilation_cache
         enable_compilation_cache()
-    # SIGTERM (a scheduler, a preempted VM) unwinds like Ctrl-C: staging folders and temporary files are removed
-    main_thread = threading.current_thread() is threading.main_thread()
-    if main_thread: previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        _join_job()
-        return args.func(args)
+        with _unwinding():
+            _join_job()
+            return args.func(args)
     except BrokenPipeError:   # `meshtx plan | head`: the reader left; nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
@@ -547,5 +566,3 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    finally:
-        if main_thread: signal.signal(signal.SIGTERM, previous)

@@ -29,7 +29,7 @@ class Switches:
     family: str = "gptj"       # Hugging Face's model_type: "gptj", "llama", "mistral", "qwen2" or "gpt_neox"
     n_kv_head: int | None = None    # key/value heads (grouped-query attention when fewer than n_head)
     norm: str | None = None         # "layernorm" or "rmsnorm"
-    activation: str | None = None   # the MLP's: "gelu_new" (tanh; also "gelu_fast", "gelu_pytorch_tanh"), "gelu" (erf), "silu", "relu"
+    activation: str | None = None   # the MLP's: "gelu_new" (tanh; also "gelu_fast", "gelu_pytorch_tanh"), "gelu" (erf), "silu" ("swish"), "relu", "quick_gelu"
     gated_mlp: bool | None = None   # act(gate(x)) · up(x) (SwiGLU) instead of act(fc_in(x))
     parallel_residual: bool | None = None  # x + attn(..) + mlp(..) (GPT-J, NeoX) or x + attn(..), then + mlp(..)
     mlp_norm: bool | None = None    # the MLP reads its own norm, ln_2, instead of sharing ln_1 with attention
@@ -116,7 +116,7 @@ FAMILY_NAMES = {"gptj": "GPT-J", "llama": "Llama", "mistral": "Mistral", "qwen2"
 
 def family_name(config) -> str: return FAMILY_NAMES[config.family]
 
-CHOICES = dict(norm=("layernorm", "rmsnorm"), activation=("gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu", "silu", "relu"),
+CHOICES = dict(norm=("layernorm", "rmsnorm"), activation=("gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu", "silu", "relu", "quick_gelu"),
                rotary_style=("pairs", "halves"), rope_scaling=("none", "linear", "dynamic", "llama3", "yarn"))
 
 # %% ../nbs/00_config.ipynb #d7640b06
@@ -301,7 +301,9 @@ def _tokens(d: dict, generation: dict | None = None) -> dict:
     """The token ids of a config.json; Hugging Face's list of end tokens (config.json's, or generation_config.json's,
     which HF's `generate` reads) as the first and `end_token_ids`, the others."""
     out = {k: _token(d, k) for k in ("eos_token_id", "bos_token_id", "pad_token_id")}
-    ends = _ids(d.get("eos_token_id")) + _ids((generation or {}).get("eos_token_id"))
+    listed = _ids((generation or {}).get("eos_token_id"))
+    if out["eos_token_id"] is None and listed: out["eos_token_id"] = listed[0]   # named in generation_config.json alone
+    ends = _ids(d.get("eos_token_id")) + listed
     return out | dict(end_token_ids=tuple(dict.fromkeys(t for t in ends if t != out["eos_token_id"])))
 
 def _generation_dict(hf) -> dict:
@@ -340,10 +342,13 @@ def _rope(d: dict, defaults: dict) -> dict:
     out = dict(rotary_base=float(base), rope_scaling="none" if kind == "default" else kind)
     if kind == "yarn": return out | _yarn(args, {**defaults, **d})
     if kind != "default": out["rope_factor"] = _rope_arg(args, "factor", kind)
-    if kind == "llama3":
+    n = {**defaults, **d}.get("max_position_embeddings")
+    if kind == "dynamic": out["rope_original_ctx"] = n   # HF's threshold, whatever context n_ctx is given later
+    if kind == "llama3":   # the original context as transformers 5 reads it: the config's own key, the scaling's, the model's
         out.update(rope_low_freq_factor=_rope_arg(args, "low_freq_factor", kind, 1.0),
                    rope_high_freq_factor=_rope_arg(args, "high_freq_factor", kind, 4.0),
-                   rope_original_ctx=_rope_arg(args, "original_max_position_embeddings", kind, cast=int))
+                   rope_original_ctx=d.get("original_max_position_embeddings") or _rope_arg(
+                       args, "original_max_position_embeddings", kind, n, cast=int))
     return out
 
 def _rope_arg(args: dict, key: str, kind: str, default=None, cast=float):
@@ -378,8 +383,11 @@ def _yarn(args: dict, d: dict) -> dict:
     ms, ms_all = at("mscale", 0), at("mscale_all_dim", 0)
     af = at("attention_factor") if args.get("attention_factor") is not None else (
          _yarn_mscale(f, ms) / _yarn_mscale(f, ms_all) if ms and ms_all else None)
-    return dict(rope_factor=f, rope_original_ctx=old, rope_attention_factor=af, rope_beta_fast=at("beta_fast", 32) or 32.0,
-                rope_beta_slow=at("beta_slow", 1) or 1.0, rope_truncate=args.get("truncate", True))
+    out = dict(rope_factor=f, rope_original_ctx=old, rope_attention_factor=af, rope_beta_fast=at("beta_fast", 32) or 32.0,
+               rope_beta_slow=at("beta_slow", 1) or 1.0, rope_truncate=args.get("truncate", True))
+    # Qwen2.5's recipe adds the scaling and leaves max_position_embeddings at the original context: the scaled one is the
+    # context it reaches (as vLLM reads it), so that is n_ctx
+    return out | (dict(n_ctx=int(old * f)) if n is not None and n <= old else {})
 
 # %% ../nbs/00_config.ipynb #fa000005
 HF_CLASSES = {"gptj": ("GPTJConfig", "GPTJForCausalLM"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -437,13 +445,16 @@ def _from_neox(d: dict, defaults: dict) -> dict:
                 qkv_bias=bool(d.get("attention_bias", True)), out_bias=bool(d.get("attention_bias", True)),
                 tie_embeddings=bool(d.get("tie_word_embeddings", False)))
 
-# %% ../nbs/00_config.ipynb #fa000006
+# %% ../nbs/00_config.ipynb #11709ac6
+def _config_name(hf) -> str: return f"{hf} " if isinstance(hf, (str, os.PathLike)) else ""
+
 @patch(cls_method=True)
 def from_hf(cls: ModelConfig, hf, **overrides) -> ModelConfig:
     """A `ModelConfig` from a Hugging Face config (`GPTJConfig`, `LlamaConfig`, `MistralConfig`, `Qwen2Config`,
     `GPTNeoXConfig`), its dict, or a path to a checkpoint dir / config.json; `model_type` picks the family."""
     d = _hf_dict(hf)
-    mt = d.get("model_type", "gptj")
+    mt = d.get("model_type")
+    if mt is None: raise ValueError(f"config {_config_name(hf)}has no model_type: meshtx reads {', '.join(map(repr, HF_CLASSES))}")
     if mt not in HF_CLASSES:
         raise ValueError(f"model_type={mt!r}: meshtx implements {', '.join(map(repr, HF_CLASSES))}")
     if mt == "gptj": fields = _from_gptj(d)
@@ -451,6 +462,7 @@ def from_hf(cls: ModelConfig, hf, **overrides) -> ModelConfig:
         defaults = _class_defaults(mt, d)   # what the class gives a missing key
         fields = _from_neox(d, defaults) if mt == "gpt_neox" else _from_llama(d, defaults, mt)
         fields |= _rope(d, defaults)
+    if fields.get("activation") == "swish": fields["activation"] = "silu"   # HF's other name for it
     if fields.get("activation") not in (None, *CHOICES["activation"]):
         key = "activation_function" if mt == "gptj" else "hidden_act"
         raise ValueError(f"{key}={fields['activation']!r} is not supported: meshtx knows {CHOICES['activation']}")
@@ -478,14 +490,15 @@ def _hf_kwargs(c: ModelConfig) -> dict:
         return dict(vocab_size=c.n_vocab, n_positions=c.n_ctx, n_embd=c.d_model, n_layer=c.n_layer, n_head=c.n_head,
                     rotary_dim=c.rotary_dim, n_inner=c.d_ff, activation_function=c.activation, layer_norm_epsilon=c.ln_eps,
                     tie_word_embeddings=c.tie_embeddings)
+    n = c.rope_original_ctx or c.n_ctx if c.rope_scaling == "dynamic" else c.n_ctx   # dynamic: HF's threshold is this key
     common = dict(vocab_size=c.n_vocab, hidden_size=c.d_model, intermediate_size=c.d_ff, num_hidden_layers=c.n_layer,
-                  num_attention_heads=c.n_head, max_position_embeddings=c.n_ctx, hidden_act=c.activation,
+                  num_attention_heads=c.n_head, max_position_embeddings=n, hidden_act=c.activation,
                   tie_word_embeddings=c.tie_embeddings, rope_scaling=_hf_rope(c))
     if c.family == "gpt_neox":
         return common | dict(layer_norm_eps=c.ln_eps, use_parallel_residual=c.parallel_residual, rotary_emb_base=c.rotary_base,
                              rotary_pct=c.rotary_dim / c.d_head, attention_bias=c.qkv_bias)
     out = common | dict(num_key_value_heads=c.n_kv_head, rms_norm_eps=c.ln_eps, rope_theta=c.rotary_base)
-    if c.d_head * c.n_head != c.d_model and c.family != "qwen2": out["head_dim"] = c.d_head
+    if c.d_head * c.n_head != c.d_model: out["head_dim"] = c.d_head   # (Qwen2 reads it from transformers 5 on)
     if c.family == "llama": out |= dict(attention_bias=c.qkv_bias, mlp_bias=c.mlp_bias)
     if c.family == "mistral": out["sliding_window"] = c.sliding_window
     if c.family == "qwen2" and c.sliding_window and c.sliding_window_from < c.n_layer:
@@ -500,9 +513,11 @@ def to_hf(self: ModelConfig):
     if self.family == "gptj" and self.d_head * self.n_head != self.d_model:
         raise ValueError(f"d_head={self.d_head} × n_head={self.n_head} != d_model={self.d_model}: "
                          "Hugging Face's GPT-J requires d_head = d_model / n_head")
-    bos = self.bos_token_id if self.bos_token_id is not None else self.end_of_text
+    named = lambda v: v is not None or self.family == "gptj"   # GPT-J's ids default to its end of text; others' may be unset
+    bos = self.bos_token_id if self.bos_token_id is not None else self.end_of_text if named(None) else None
     config_class, model_class = HF_CLASSES[self.family]
-    eos = [self.end_of_text, *self.end_token_ids] if self.end_token_ids else self.end_of_text   # HF's list of end tokens
+    eos = ([self.end_of_text, *self.end_token_ids] if self.end_token_ids else self.end_of_text   # HF's list of end tokens
+           ) if named(self.eos_token_id) else None
     hf = getattr(quiet_transformers(), config_class)(**_hf_kwargs(self), bos_token_id=bos, eos_token_id=eos,
                                                       pad_token_id=self.pad_token_id, architectures=[model_class])
     back = ModelConfig.from_hf(hf, **{f: getattr(self, f) for f in RUN_FIELDS})

@@ -6,12 +6,12 @@ Docs: https://meshtx.github.io/meshtx/lm.html.md"""
 
 # %% ../nbs/04_lm.ipynb #4da8f793
 from __future__ import annotations
-import os, re, threading
+import json, os, re, threading
 from pathlib import Path
 import numpy as np
 import jax, jax.numpy as jnp
 from fastcore.basics import patch
-from .config import ModelConfig, LoRAConfig, family_name
+from .config import ModelConfig, LoRAConfig, family_name, _generation_dict
 from .model import gptj, init_params, no_hint, param_shapes, split_layers, BLOCKS
 from .weights import (load_hf_params, load_params, is_meshtx_checkpoint, checkpoint_files, MESHTX_CONFIG, from_old_layout,
                             SAVE_FILES, write_hf, write_params)
@@ -69,8 +69,10 @@ def enable_compilation_cache(path=None) -> Path:
 # %% ../nbs/04_lm.ipynb #1502de21
 class LM:
     "A GPT-J model: `config`, `params` and `tokenizer`, with a compiled forward pass; on a `mesh` if given (and `lora` adapters)."
-    def __init__(self, config: ModelConfig, params: dict, tokenizer=None, mesh=None, lora: LoRAConfig | None = None):
+    def __init__(self, config: ModelConfig, params: dict, tokenizer=None, mesh=None, lora: LoRAConfig | None = None,
+                 generation_config: dict | None = None):
         self.config, self.params, self.tokenizer, self.mesh, self.lora = config, params, tokenizer, mesh, lora
+        self.generation_config = generation_config   # the checkpoint's generation_config.json, kept for its saves
         # one user of the weights at a time: a training step donates (frees) them, so generation, saves and steps that
         # may run in other threads (a widget, an in-process server) read `params` under this lock
         self.lock = getattr(self, "lock", None) or threading.RLock()
@@ -95,6 +97,15 @@ def eos_token_id(self: LM) -> int:
     if self.config.eos_token_id is None and getattr(self.tokenizer, "eos_token_id", None) is not None:
         return self.tokenizer.eos_token_id
     return self.config.end_of_text
+
+# %% ../nbs/04_lm.ipynb #0f4f4d99
+@patch(as_prop=True)
+def stop_token_id(self: LM) -> int | None:
+    """The token `generate` and the slots end a text at by default: `eos_token_id`; but None for a family other than
+    GPT-J whose config and tokenizer name no end token (a Qwen2 config with `eos_token_id: null`), where HF's `generate`
+    runs to its length too, rather than stopping at a fallback id that is an ordinary token of its vocabulary."""
+    named = self.config.eos_token_id is not None or getattr(self.tokenizer, "eos_token_id", None) is not None
+    return self.eos_token_id if named or self.config.family == "gptj" else None
 
 @patch(as_prop=True)
 def document_start(self: LM) -> int:
@@ -130,7 +141,7 @@ def from_hf(cls: LM, path_or_repo_id, dtype="bfloat16", compute_dtype=None, revi
     config = _with_dtype(ModelConfig.from_hf(path, **config_overrides), dtype, compute_dtype)
     params = load_hf_params(path, config, param_shardings(config, mesh) if mesh is not None else None, progress=progress)
     if tokenizer == "auto": tokenizer = load_tokenizer(path) if has_tokenizer(path) else _default_tokenizer(config)
-    return cls(config, params, tokenizer, mesh)
+    return cls(config, params, tokenizer, mesh, generation_config=_generation_dict(path) or None)
 
 # %% ../nbs/04_lm.ipynb #39b2f820
 @patch(cls_method=True)
@@ -145,7 +156,7 @@ def load(cls: LM, path, dtype=None, compute_dtype=None, mesh=None, progress=True
         config = _with_dtype(config, dtype, compute_dtype)
         if dtype is not None: params = jax.tree.map(lambda x: x.astype(config.param_dtype), params)
         tok = load_tokenizer(path) if has_tokenizer(path) else _default_tokenizer(config)
-        lm = cls(config, params, tok)
+        lm = cls(config, params, tok, generation_config=_generation_dict(path) or None)
         return lm.shard(mesh) if mesh is not None else lm
     return cls.from_hf(path, dtype=dtype or "bfloat16", compute_dtype=compute_dtype, mesh=mesh, progress=progress)
 
@@ -179,7 +190,15 @@ def _from_training(cls: LM, ck, step, dtype=None, compute_dtype=None, mesh=None)
     params = ck.restore(step, {"params": target})[0]["params"]
     config = _with_dtype(config, dtype, compute_dtype)
     if dtype is not None: params = jax.tree.map(lambda x: x.astype(config.param_dtype), params)
-    return cls(config, params, _default_tokenizer(config), mesh)
+    return cls(config, params, _training_tokenizer(ck) or _default_tokenizer(config), mesh)
+
+# %% ../nbs/04_lm.ipynb #da2d56f0
+def _training_tokenizer(ck):
+    "The tokenizer a `Trainer` kept beside its checkpoints (`tokenizer/`), or None."
+    url = f"{ck.directory.rstrip('/')}/tokenizer"
+    if not ck.fs.exists(url if is_remote(url) else Path(url)): return None
+    path = fetch_dir(url, progress=False) if is_remote(url) else Path(url)
+    return load_tokenizer(path) if has_tokenizer(path) else None
 
 # %% ../nbs/04_lm.ipynb #b0635640
 OLD_QKV = "gptj/blocks/attn/qkv"   # in a checkpoint of an earlier meshtx, whose matrices were [in, out]
@@ -299,10 +318,11 @@ def save_hf(self: LM, path, dtype=None, max_shard_size="5GB", progress=True) -> 
     _no_adapters(self)
     if is_remote(path): return save_remote(path, "config.json", lambda d: self.save_hf(d, dtype, max_shard_size, progress))
     _check_target(path, "config.json", MESHTX_CONFIG, "a meshtx checkpoint")
-    config = self.config if self.config.eos_token_id is not None else self.config.replace(eos_token_id=self.eos_token_id)
+    eos = self.config.eos_token_id if self.config.eos_token_id is not None else self.stop_token_id   # the tokenizer's
+    config = self.config.replace(eos_token_id=eos)
     def fill(d):
         write_hf(d, self.params, config, dtype, max_shard_size, progress)
-        _save_tokenizer(self.tokenizer, d)
+        _save_tokenizer(self.tokenizer, d, self.generation_config)
     with self.lock: return replace_dir(path, fill, owned=_OWNED)
 
 # %% ../nbs/04_lm.ipynb #f2c33961
@@ -314,7 +334,7 @@ def save(self: LM, path) -> Path:
     _check_target(path, MESHTX_CONFIG, "config.json", "a Hugging Face checkpoint")
     def fill(d):
         write_params(d, self.params, self.config)
-        _save_tokenizer(self.tokenizer, d)
+        _save_tokenizer(self.tokenizer, d, self.generation_config)
     with self.lock: return replace_dir(path, fill, owned=_OWNED)
 
 # %% ../nbs/04_lm.ipynb #48a1cc3e
@@ -331,14 +351,17 @@ def _check_target(path, mine: str, other: str, what: str):
 
 # %% ../nbs/04_lm.ipynb #a22cd48e
 _TOKENIZER_NAMES = TOKENIZER_FILES + ("merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-                                      "tokenizer.model")
+                                      "tokenizer.model", "generation_config.json")
 # what a save replaces: an earlier save's files, its tokenizer's too (they would load with the new weights)
 _OWNED = "|".join([SAVE_FILES, *map(re.escape, _TOKENIZER_NAMES)])
 
-def _save_tokenizer(tokenizer, d: Path):
-    "Save `tokenizer` (if any) into the new directory `d`; a full disk is an `OSError` naming the file."
+def _save_tokenizer(tokenizer, d: Path, generation_config: dict | None = None):
+    """Save `tokenizer` (if any) into the new directory `d`, and the checkpoint's `generation_config` (its sampling
+    defaults and end tokens, which HF's `generate` reads); a full disk is an `OSError` naming the file."""
     # tokenizers' own (Rust) writer of tokenizer.json fails with a bare Exception; Python's writes name their file
     if tokenizer is not None: write_file(d / "tokenizer.json", tokenizer.save_pretrained, d)
+    if generation_config:
+        write_file(d / "generation_config.json", (d / "generation_config.json").write_text, json.dumps(generation_config, indent=2))
 
 # %% ../nbs/04_lm.ipynb #f1a1539d
 @patch(as_prop=True)

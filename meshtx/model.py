@@ -326,7 +326,7 @@ gelu_new.defvjp(lambda x: (gelu_new(x), x), _gelu_new_grad)
 def no_hint(x, kind: str): return x
 
 ACTIVATIONS = {"gelu_new": gelu_new, "gelu": partial(jax.nn.gelu, approximate=False), "silu": jax.nn.silu,
-               "relu": jax.nn.relu,
+               "relu": jax.nn.relu, "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),   # CLIP's sigmoid approximation
                "gelu_fast": gelu_new, "gelu_pytorch_tanh": gelu_new}   # HF's other names for the tanh approximation
 
 def mlp(h, cfg: ModelConfig, hint=no_hint, lora=None):

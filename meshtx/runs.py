@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/runs.html.md"""
 
 # %% ../nbs/08b_runs.ipynb #b0977128
 from __future__ import annotations
-import functools, itertools, json, os, re, warnings
+import functools, itertools, json, math, numbers, os, re, warnings
 from pathlib import Path
 import jax
 from .config import ModelConfig, LoRAConfig, MTJ_MODEL_KEYS, MTJ_OTHER_KEYS
@@ -77,8 +77,8 @@ def _check_types(cfg: dict, where: str):
         bad("val_set", "a path, a list of paths, or {name: path} for several sets (names of letters, digits, _ . -)")
     for key in ("lr", "end_lr", "weight_decay", "val_fraction"):   # numbers, or a type error deep inside the optimizer
         v = cfg[key]
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
-            raise ValueError(f"{where}: {key}={v!r} must be a number ≥ 0")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
+            raise ValueError(f"{where}: {key}={v!r} must be a finite number ≥ 0")
     if cfg["remat"] not in (None, True, False): raise ValueError(f"{where}: remat={cfg['remat']!r} must be true, false or null")
 
 # %% ../nbs/08b_runs.ipynb #54134539
@@ -131,9 +131,15 @@ def _sources(spec):
     return out
 
 # %% ../nbs/08b_runs.ipynb #cb964f37
+def _as_compared(p):
+    "A path as a run compares it: `./corpus/`, `corpus` and its absolute path are one; a URL with or without its last `/`."
+    if not isinstance(p, str) or not p: return p
+    return p.rstrip("/") or p if is_remote(p) else os.path.abspath(p)
+
+# %% ../nbs/08b_runs.ipynb #b9eb9531
 def _stale(data: TokenData, sources: list, tokenizer, seq: int, val_fraction: float, seed: int, exclude=()) -> str | None:
     "Why `data` (prepared by an earlier run) is not what this run would prepare (from `sources` less `exclude`); None if it is."
-    h, same = data.header, lambda xs: [str(x).rstrip("/") or str(x) for x in xs or []]   # "corpus/" is "corpus"
+    h, same = data.header, lambda xs: [_as_compared(str(x)) for x in xs or []]   # "./corpus/" is "corpus"
     if same(h.get("sources")) != same(sources): return f"it was prepared from {h.get('sources')}, not from {sources}"
     if data.seq != seq: return f"its windows are {data.seq} + 1 tokens long, not {seq} + 1"
     if tokenizer is not None and h.get("tokenizer_fingerprint") not in (None, tokenizer_fingerprint(tokenizer)):
@@ -335,6 +341,8 @@ def finetune(model, data, out, *, lora: LoRAConfig | int | None = None, steps: i
                     data=[os.fspath(x) for x in (data if isinstance(data, (list, tuple)) else [data])],
                     batch=batch, seq=seq, accum=accum, lr=lr, warmup_steps=warmup_steps, val_fraction=val_fraction, seed=seed,
                     dtype=None if dtype is None else str(dtype), remat=remat, save_every=save_every)
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not math.isfinite(lr) or lr <= 0):
+        raise ValueError(f"lr={lr!r} must be a finite number > 0")   # now, not after the data is tokenized
     resumed = _resumable(out, child, settings)   # before any work: the settings of an unfinished run, or None
     lm, seq = _finetune_model(model, lora, dtype, seq, progress)
     data = dataset(data, str(child("data")), lm.tokenizer, seq, val_fraction, seed, progress, lm.config.n_vocab,
@@ -376,8 +384,10 @@ def _resumable(out, child, settings: dict) -> dict | None:
         raise ValueError(f"{out} holds checkpoints (steps {steps}) but no finetune.json: not a fine-tune to resume; choose a new output directory")
     try: recorded = read_json(p, fs)
     except ValueError as e: raise ValueError(f"{e} (finetune.json is damaged: choose a new output directory)") from None
+    paths = lambda k, v: ([_as_compared(x) for x in v] if isinstance(v, list) else v) if k == "data" else \
+        _as_compared(v) if k == "model" else v   # `./train.txt` is `train.txt`
     differ = {k: (recorded.get(k), v) for k, v in settings.items()   # how often to save, and remat, may change
-              if k not in ("save_every", "remat") and recorded.get(k) != json.loads(json.dumps(v, default=list))}
+              if k not in ("save_every", "remat") and paths(k, recorded.get(k)) != paths(k, json.loads(json.dumps(v, default=list)))}
     if differ:
         raise ValueError(f"{out} holds an unfinished fine-tune with other settings: " +
                          ", ".join(f"{k}={a!r} there, {b!r} now" for k, (a, b) in differ.items()) +

@@ -17,9 +17,10 @@ from .sharding import activation_hint, kv_cache_shardings, fit_spec, BATCH
 if TYPE_CHECKING: from meshtx.lm import LM   # for annotations only: the model is an argument, not an import
 
 # %% auto #0
-__all__ = ['MAX_STOPS', 'STOP_TOKENS', 'apply_repetition_penalty', 'apply_presence_frequency', 'top_k_filter', 'top_p_filter',
-           'Options', 'top1', 'choose', 'model_logprobs', 'State', 'stopped', 'Generation', 'per_row', 'check_option',
-           'and_ends', 'stop_table', 'cut_at_stop', 'token_text', 'Stream', 'generate', 'unescape_stop', 'escape_stop']
+__all__ = ['MAX_STOPS', 'MAX_ENDS', 'STOP_TOKENS', 'apply_repetition_penalty', 'apply_presence_frequency', 'top_k_filter',
+           'top_p_filter', 'Options', 'top1', 'choose', 'model_logprobs', 'State', 'stopped', 'Generation', 'per_row',
+           'check_option', 'and_ends', 'stop_table', 'cut_at_stop', 'token_text', 'Stream', 'generate', 'unescape_stop',
+           'escape_stop']
 
 # %% ../nbs/05_sampling.ipynb #d198f757
 def apply_repetition_penalty(logits, seen, penalty):
@@ -117,7 +118,7 @@ class State(NamedTuple):
     top_lp: jax.Array    # [B, N, k] their log-probabilities
 
 # %% ../nbs/05_sampling.ipynb #a30dc1e2
-MAX_STOPS, STOP_TOKENS = 16, 64   # the stop table's one shape
+MAX_STOPS, MAX_ENDS, STOP_TOKENS = 16, 8, 64   # the stop table's one shape: [MAX_STOPS + MAX_ENDS, STOP_TOKENS]
 
 def stopped(out, length, stops):
     """Does each row's generated text `out` `[B, N]` (`length` `[B]`) end with one of `stops` `[S, K]` (right-aligned
@@ -195,7 +196,7 @@ def per_row(name: str, value, n: int) -> np.ndarray:
     out = []
     for v in vals:
         v = default if v is None else v
-        try: ok = check(v)
+        try: ok = not isinstance(v, (bool, np.bool_, str, bytes)) and check(v)   # True is not 1, nor "0.5" a number
         except (TypeError, ValueError): ok = False
         if not ok: raise ValueError(f"invalid {name}={v!r}")
         out.append(v)
@@ -289,22 +290,50 @@ def and_ends(stop, ends) -> list | None:
     stop = [stop] if isinstance(stop, (str, int, np.integer)) and not isinstance(stop, bool) else list(stop or [])
     return stop + [t for t in ends if t not in stop]
 
-def stop_table(lm: LM, stop):
-    """Stop sequences (strings, token ids or token-id lists) as the right-aligned token ids `[MAX_STOPS, STOP_TOKENS]`
-    the loop compares, plus the strings among them, which the host compares as text."""
+# %% ../nbs/05_sampling.ipynb #d78d27c9
+def _stop_ids(s, V: int) -> list:
+    "Stop sequence `s` given as a token id or a list of them, checked: ids of the vocabulary (-1 pads the table)."
+    ids = [s] if isinstance(s, (int, np.integer)) and not isinstance(s, bool) else s
+    if not isinstance(ids, (list, tuple, np.ndarray)) or not all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in ids):
+        raise ValueError(f"invalid stop={s!r}: a string, a token id or a list of token ids")
+    ids = [int(t) for t in ids]
+    if not 0 < len(ids) <= STOP_TOKENS: raise ValueError(f"invalid stop={ids!r}: 1 to {STOP_TOKENS} token ids")
+    if min(ids) < 0 or max(ids) >= V: raise ValueError(f"invalid stop={ids!r}: token ids are in [0, {V})")
+    return ids
+
+def _eos_option(v, V: int):
+    "`eos_token_id` checked: 'auto' (the model's), None (no end token), or a token id of the vocabulary."
+    if v is None or (isinstance(v, str) and v == "auto"): return v
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not 0 <= v < V:
+        raise ValueError(f"invalid eos_token_id={v!r}: a token id in [0, {V}), None or 'auto'")
+    return int(v)
+
+def _count_option(name: str, v) -> int:
+    "A count of steps, checked: an integer ≥ 1 (0 would never move, and a loop waiting on it never end)."
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"invalid {name}={v!r}: an integer ≥ 1")
+    return int(v)
+
+# %% ../nbs/05_sampling.ipynb #aaffc2c1
+def stop_table(lm: LM, stop, ends=()):
+    """Stop sequences (strings, token ids or token-id lists), and the model's end tokens `ends` after them, as the
+    right-aligned token ids `[MAX_STOPS + MAX_ENDS, STOP_TOKENS]` the loop compares, plus the strings among them,
+    which the host compares as text."""
     if isinstance(stop, (str, int, np.integer)) and not isinstance(stop, bool): stop = [stop]   # one string or token id
+    if isinstance(stop, (bool, float)): raise ValueError(f"invalid stop={stop!r}: a string, a token id or a list of them")
     stop = [] if stop is None else list(stop)
     if len(stop) > MAX_STOPS: raise ValueError(f"invalid stop=<{len(stop)} sequences>: at most {MAX_STOPS}")
-    arr = np.full((MAX_STOPS, STOP_TOKENS), -1, np.int32)
-    for i, s in enumerate(stop):
+    if len(both := and_ends(stop, ends)) - len(stop) > MAX_ENDS:
+        raise ValueError(f"the model lists {len(both) - len(stop)} end tokens (end_token_ids): at most {MAX_ENDS}")
+    arr = np.full((MAX_STOPS + MAX_ENDS, STOP_TOKENS), -1, np.int32)
+    for i, s in enumerate(both):
         if isinstance(s, str):
             if not s: raise ValueError("stop sequences must not be empty")
             if lm.tokenizer is None: raise ValueError("string stop sequences need a tokenizer")
             ids = lm.tokenizer(s).input_ids
             if len(ids) > STOP_TOKENS: continue   # found as text by the host alone
-        else:
-            ids = [int(s)] if isinstance(s, (int, np.integer)) and not isinstance(s, bool) else [int(t) for t in s]
-            if not 0 < len(ids) <= STOP_TOKENS: raise ValueError(f"invalid stop={ids!r}: 1 to {STOP_TOKENS} token ids")
+        else: ids = _stop_ids(s, lm.config.n_vocab) if i < len(stop) else [int(s)]   # (the model's own end tokens)
         arr[i, STOP_TOKENS - len(ids):] = ids
     return arr, [s for s in stop if isinstance(s, str)]
 
@@ -421,7 +450,8 @@ def _first_stop(lm: LM, toks, eos, stop_strings, start: int = 0):
 def _end_at_stop_strings(lm: LM, state, B, eos, stop_strings, checked):
     "End each live row whose text reaches a stop string at the token that completes it (`checked`: rows' lengths seen before)."
     out, length, done = (np.array(_host(x)) for x in (state.out, state.length, state.done))
-    hits = {i: _first_stop(lm, out[i, :length[i]].tolist(), eos, stop_strings, checked[i]) for i in range(B) if not done[i]}
+    hits = {i: _first_stop(lm, out[i, :length[i]].tolist(), eos, stop_strings, checked[i])   # rows ended in this call too
+            for i in range(B) if length[i] > checked[i]}                                    # (at their length or end token)
     hits = {i: k for i, k in hits.items() if k is not None}
     checked[:B] = length[:B]
     if not hits: return state
@@ -503,10 +533,11 @@ def generate(lm: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, to
     bias, kb, k = _bias_rows(logit_bias, B, V), _top_bucket(top_logprobs, V), top_logprobs
     if stream and logprobs: raise ValueError("logprobs are not streamed: call generate without stream=True for them")
     ids = _fit(lm, ids, o["max_new_tokens"], truncate)
+    eos_token_id, steps_per_call = _eos_option(eos_token_id, V), _count_option("steps_per_call", steps_per_call)
     ends = lm.config.end_token_ids if eos_token_id == "auto" else ()   # the model's other end tokens (Llama 3's <|eot_id|>)
-    if eos_token_id == "auto": eos_token_id = lm.eos_token_id
+    if eos_token_id == "auto": eos_token_id = lm.stop_token_id
     eos = -1 if eos_token_id is None else int(eos_token_id)
-    stops, stop_strings = stop_table(lm, and_ends(stop, ends))
+    stops, stop_strings = stop_table(lm, stop, ends)
     tokens, mask, opts, limit, N = _batch(lm, ids, o, bias)
     if jax.process_count() == 1:   # on the devices once (the bias is [B, V]), not again at every device call
         opts = jax.device_put(opts, None if lm.mesh is None else NamedSharding(lm.mesh, P_()))

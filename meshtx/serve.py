@@ -406,6 +406,15 @@ def _longest_token(tok) -> int | None:
 
 def _which(job: Job, i: int) -> str: return f"prompt {i}" if job.prompt_param == "prompt" else "the conversation"
 
+# %% ../nbs/10_serve.ipynb #3ff853fd
+@patch
+def _room(self: Batcher, job: Job, ids: list) -> int:
+    """The tokens (prompt and new) a job that leaves `max_tokens` unset may fill: a row of the slots where its rows
+    and prompts fit them (so that it runs beside the others, not alone once they are done), else the context."""
+    fits = self.continuous and job.size <= self.max_batch and max(map(len, ids)) < self.slot_len
+    return self.slot_len if fits else self.lm.config.n_ctx
+
+# %% ../nbs/10_serve.ipynb #a647fe2f
 @patch
 def _tokens(self: Batcher, job: Job, i: int, p) -> list:
     "Prompt `i` of `job` as token ids; text is first bounded in characters, so a huge one is refused (or cut) untokenized."
@@ -431,7 +440,7 @@ def _encode(self: Batcher, job: Job):
     if job.stop and self.lm.tokenizer is None: raise RequestError("this model has no tokenizer, so it cannot match stop strings", "stop")
     ids = [self._tokens(job, i, p) or [self.lm.document_start]   # an empty prompt starts a new document, as OpenAI's default does
            for i, p in enumerate(job.prompts)]
-    if job.max_tokens is None: job.max_tokens = max(1, n_ctx - max(map(len, ids)))
+    if job.max_tokens is None: job.max_tokens = max(1, self._room(job, ids) - max(map(len, ids)))
     room = n_ctx - job.max_tokens
     for i, p in enumerate(ids):
         if len(p) > room:
@@ -562,7 +571,7 @@ def _drain(self: Batcher, rows: list, pieces, stream=False, on_piece=None) -> li
     for k, piece in pieces:   # between chunks: is anybody still waiting?
         if self._stopping(jobs, stream): pieces.close(); return None
         if on_piece: on_piece(k, piece)
-    eos, stop, out = self.lm.eos_token_id, list(rows[0][0].stop or ()), []   # the text as `generate` gives it (`_finish`)
+    eos, stop, out = self.lm.stop_token_id, list(rows[0][0].stop or ()), []   # the text as `generate` gives it (`_finish`)
     tops = getattr(pieces, "top_logprobs", None) or [None] * len(rows)
     for (j, i), why, toks, top in zip(rows, pieces.finish_reasons, pieces.tokens, tops):
         r = dict(text=cut_at_stop(token_text(self.lm, toks, eos), stop)[0], finish_reason=why, completion_tokens=len(toks),
@@ -600,9 +609,9 @@ def _scored(self: Batcher, job: Job, row: int, toks, tops, r: dict) -> dict:
     lps = [top[t] for t, top in zip(toks, tops)]
     out = dict(mean_logprob=sum(lps) / len(lps) if lps else 0.0)
     if job.logprobs is None: return out
-    keep = [k for k, t in enumerate(toks) if t != self.lm.eos_token_id]   # the end of text is not text
+    keep = [k for k, t in enumerate(toks) if t != self.lm.stop_token_id]   # the end of text is not text
     start, kept = (len(r["prompt_text"]) if job.echo else 0), [toks[k] for k in keep]
-    at = [start + o for o in self._offsets(kept, token_text(self.lm, kept, self.lm.eos_token_id))]
+    at = [start + o for o in self._offsets(kept, token_text(self.lm, kept, self.lm.stop_token_id))]
     gen = self._entries(kept, [lps[k] for k in keep], [tops[k] for k in keep], job.logprobs, at)
     if self.lm.tokenizer is not None:   # nothing past a stop string (without a tokenizer there are none, nor text)
         gen = [e for e in gen if e["offset"] - start < len(r["text"])]

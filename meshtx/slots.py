@@ -14,9 +14,9 @@ from fastcore.basics import patch
 from jax.sharding import NamedSharding, PartitionSpec as P_
 from .model import KVCache, gptj, no_hint, cache_dtype
 from .sharding import activation_hint
-from .sampling import (Options, State, stop_table, and_ends, cut_at_stop, token_text,
+from .sampling import (Options, State, stop_table, cut_at_stop, token_text,
                              per_row, _row_options, _bias_rows, _top_bucket, _bucket, _fit, _on_weights, _encode_prompts,
-                             _first_stop, _ends_with, _host, _compiled, _decode, _LOOP_OPTIONS)
+                             _first_stop, _ends_with, _host, _compiled, _decode, _LOOP_OPTIONS, _eos_option, _count_option)
 if TYPE_CHECKING: from meshtx.lm import LM   # for annotations only: the model is an argument, as in `meshtx.sampling`
 
 # %% auto #0
@@ -136,7 +136,8 @@ class Slots:
             raise ValueError(f"invalid max_len={max_len!r}: at least 2 slots per row")
         self.lm, self.rows, self.max_len = lm, rows, max_len or slot_length(lm, rows)
         self.top_logprobs, self.k = top_logprobs, _top_bucket(top_logprobs, V) if top_logprobs is not None else 0
-        eos = lm.eos_token_id if eos_token_id == "auto" else eos_token_id
+        eos_token_id = _eos_option(eos_token_id, V)
+        eos = lm.stop_token_id if eos_token_id == "auto" else eos_token_id
         self.eos = -1 if eos is None else int(eos)
         self._ends = lm.config.end_token_ids if eos_token_id == "auto" else ()   # the model's other end tokens
         self._fns, self._call, self.lora = _programs(lm), _on_weights(lm), lm.lora
@@ -189,7 +190,7 @@ def add(self: Slots, prompts, max_new_tokens=64, temperature=1.0, top_k=None, to
     o = _row_options(n, temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                      max_new_tokens=max_new_tokens, seed=seed)
-    bias, (stops, strings) = _bias_rows(logit_bias, n, lm.config.n_vocab), stop_table(lm, and_ends(stop, self._ends))
+    bias, (stops, strings) = _bias_rows(logit_bias, n, lm.config.n_vocab), stop_table(lm, stop, self._ends)
     tops = self._asked(top_logprobs, n)
     ids, free = _fit(lm, ids, o["max_new_tokens"], truncate), self.free()
     if n > len(free): raise ValueError(f"{n} prompts, but only {len(free)} of the {B} rows are free")
@@ -236,6 +237,7 @@ def _on_devices(self: Slots):
 @patch
 def step(self: Slots, steps: int = 8) -> list[Finished]:
     "Decode every busy row up to `steps` tokens, in one device call; the generations that ended."
+    steps = _count_option("steps", steps)
     if not any(self.busy): return []
     opts, limit, stops, tops_for = self._on_devices()
     steps = self._room(steps)
@@ -245,7 +247,8 @@ def step(self: Slots, steps: int = 8) -> list[Finished]:
     for r in range(self.rows):
         if not self.busy[r]: continue
         self._generated[r], toks = int(length[r]), out[r, :length[r]].tolist()
-        if self._strings[r] and not done[r]:   # the text's stop strings: the host's to find
+        if self._strings[r] and length[r] > self._checked[r]:   # the text's stop strings: the host's to find (in a row
+                                                                # that ended in this call at its length, too)
             cut = _first_stop(self.lm, toks, self.eos, self._strings[r], int(self._checked[r]))
             self._checked[r] = length[r]
             if cut is not None: toks, done[r], hits = toks[:cut], True, True
@@ -275,6 +278,8 @@ def tokens(self: Slots, row: int) -> list:
 @patch
 def drop(self: Slots, row: int):
     "End row `row`'s generation now (its client went away): the row is free for the next `add`."
+    if isinstance(row, (bool, np.bool_)) or not isinstance(row, (int, np.integer)) or not 0 <= row < self.rows:
+        raise ValueError(f"invalid row={row!r}: a row in [0, {self.rows})")
     if self.busy[row]:
         self.busy[row] = False
         self.state = self.state._replace(done=self.state.done.at[row].set(True))

@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/storage.html.md"""
 
 # %% ../nbs/00a_storage.ipynb #8db074b4
 from __future__ import annotations
-import errno, glob, json, os, re, shutil, tempfile, uuid, warnings
+import errno, glob, json, os, posixpath, re, shutil, tempfile, uuid, warnings
 from pathlib import Path
 import numpy as np
 import fsspec
@@ -28,6 +28,7 @@ def filesystem(url_or_path, **storage_options) -> tuple[fsspec.AbstractFileSyste
         import aiohttp   # gcsfs waits forever by default: a stalled connection would hang a training run's save for good
         storage_options = {**storage_options, "requests_timeout": aiohttp.ClientTimeout(total=None, sock_connect=60, sock_read=300)}
     fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    if is_local(fs): path = posixpath.normpath(path)   # `/data/./corpus/` is `/data/corpus`, as every comparison needs
     return fs, path.rstrip("/") or path
 
 def is_local(fs) -> bool:

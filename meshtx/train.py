@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/train.html.md"""
 
 # %% ../nbs/08_train.ipynb #972b09b9
 from __future__ import annotations
-import contextlib, dataclasses, math, numbers, signal, threading, time
+import contextlib, dataclasses, math, numbers, signal, tempfile, threading, time
 from functools import partial
 from pathlib import Path
 import numpy as np
@@ -54,7 +54,8 @@ def make_optimizer(lr=1e-4, end_lr=None, warmup_steps=0, anneal_steps=1, weight_
         opt = optax.adafactor(schedule, multiply_by_parameter_scale=False, dtype_momentum=mu_dtype or jnp.float32,
                               weight_decay_rate=weight_decay or None, weight_decay_mask=decay_mask)
     else: raise ValueError(f"optimizer={optimizer!r} must be 'adamw' or 'adafactor'")
-    return optax.chain(optax.clip_by_global_norm(clip), opt)
+    # clip None or 0: no clipping (HF's max_grad_norm=0); the identity keeps the optimizer state's structure the same
+    return optax.chain(optax.clip_by_global_norm(clip) if clip else optax.identity(), opt)
 
 # %% ../nbs/08_train.ipynb #3746875c
 @jax.tree_util.register_dataclass
@@ -110,11 +111,18 @@ def make_train_step(config: ModelConfig, optimizer, mesh=None, lora: LoRAConfig 
     return step   # the Trainer jits it with shardings
 
 # %% ../nbs/08_train.ipynb #f7710c13
-def _check_settings(lm: LM, datas, lr, end_lr, lora: LoRAConfig | None, keep, keep_every):
-    "Refuse, before any work, what would fail later: a bad rate, other LoRA adapters than the model's, data that does not fit."
+def _check_settings(lm: LM, datas, lr, end_lr, lora: LoRAConfig | None, keep, keep_every, weight_decay=0.0, clip=None,
+                    warmup_steps=0):
+    """Refuse, before any work, what would fail later: a bad rate, decay, clip or warmup, other LoRA adapters than the
+    model's, data that does not fit."""
     finite = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
     if not (finite(lr) and lr > 0): raise ValueError(f"lr={lr!r} must be a finite number > 0")   # NaN writes NaN weights
     if end_lr is not None and not (finite(end_lr) and end_lr >= 0): raise ValueError(f"end_lr={end_lr!r} must be a finite number ≥ 0")
+    if not (finite(weight_decay) and weight_decay >= 0): raise ValueError(f"weight_decay={weight_decay!r} must be a finite number ≥ 0")
+    if clip is not None and not (finite(clip) and clip >= 0):   # a negative clip would train backwards
+        raise ValueError(f"clip={clip!r} must be a finite number > 0 (the largest gradient norm), or 0 or None for no clipping")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps={warmup_steps!r} must be an integer ≥ 0")
     if lora is not None and lm.lora is not None and lm.lora != lora:   # e.g. a notebook cell run again with another rank
         raise ValueError(f"the model already has LoRA adapters ({lm.lora}), not {lora}: merge them "
                          "(`lm.merge_lora()`) or start from the base model; `lora=None` trains the ones it has")
@@ -131,7 +139,7 @@ class Trainer:
                  lora: LoRAConfig | int | None = None, checkpoint_dir=None, keep=3, keep_every=None,
                  nan_patience=5, progress=True, seed=0, remat: bool | None = None):
         lora = LoRAConfig(rank=lora) if isinstance(lora, int) else lora
-        _check_settings(lm, (train_data, val_data), lr, end_lr, lora, keep, keep_every)
+        _check_settings(lm, (train_data, val_data), lr, end_lr, lora, keep, keep_every, weight_decay, clip, warmup_steps)
         if lora is not None and lm.lora is None: lm.add_lora(lora, seed=seed)
         self.lm, self.val_data, self.loader = lm, val_data, train_data if hasattr(train_data, "state") else None
         self.train_data = iter(train_data)
@@ -199,10 +207,24 @@ def _compile(self: Trainer, trainable: dict, remat):
     self._eval = jax.jit(eval_loss)
 
 # %% ../nbs/08_train.ipynb #8253bccd
+def _check_batch(batch: np.ndarray, config) -> np.ndarray:
+    """A batch of the training data, checked on the host (a plain iterator's are not checked before): token ids
+    `[B, T+1]` or `[accum, B, T+1]` the model can train on, rather than a NaN loss or a silent wrong step."""
+    if batch.dtype == bool or not np.issubdtype(batch.dtype, np.integer):
+        raise ValueError(f"a training batch holds integer token ids, not {batch.dtype} values")
+    if batch.ndim not in (2, 3) or batch.shape[-1] < 2 or batch.size == 0:
+        raise ValueError(f"a training batch is [batch, seq + 1] or [accum, batch, seq + 1] token ids (seq ≥ 1), not {batch.shape}")
+    if batch.shape[-1] - 1 > config.n_ctx:
+        raise ValueError(f"a training batch's rows of {batch.shape[-1] - 1} + 1 tokens exceed the model's n_ctx={config.n_ctx}")
+    if batch.min() < 0 or batch.max() >= config.n_vocab:
+        raise ValueError(f"a training batch holds token ids from {batch.min()} to {batch.max()}, outside [0, {config.n_vocab})")
+    return batch
+
+# %% ../nbs/08_train.ipynb #dd498a26
 @patch
 def _put(self: Trainer, batch):
     "This process's rows `[accum, b, T+1]` as one global batch on the mesh (every process passes its own rows)."
-    batch = np.asarray(batch)
+    batch = _check_batch(np.asarray(batch), self.lm.config)
     if batch.ndim == 2: batch = batch[None]
     mesh = self.lm.mesh
     if mesh is None: return jnp.asarray(batch)
@@ -239,10 +261,16 @@ def _interrupts_deferred():
 # %% ../nbs/08_train.ipynb #26e6a16f
 @patch
 def _check_model(self: Trainer):
-    "Raise if the model's adapters were merged since: the merge took the base weights this trainer holds."
+    "Raise if the model changed under this trainer: adapters merged or added since, or its weights taken by another's step."
     if self.frozen and self.lm.lora is None:
         raise ValueError("this trainer's model had its LoRA adapters merged (`lm.merge_lora()`), which took the base "
                          "weights the trainer held: make a new Trainer for the merged model to train on")
+    if not self.frozen and self.lm.lora is not None:   # its steps would write weights without adapters into a LoRA model
+        raise ValueError("this trainer trains all of the model's weights, but LoRA adapters were added since "
+                         "(`lm.add_lora`): make a new Trainer (lora=...) to train them")
+    if any(x.is_deleted() for x in jax.tree.leaves(self.state.params)):
+        raise ValueError("this trainer's weights were handed to another trainer's step (two Trainers of one LM share "
+                         "its weights, and a step consumes them): train a model with one Trainer at a time")
 
 # %% ../nbs/08_train.ipynb #62b4bdaa
 @patch
@@ -368,7 +396,23 @@ def save(self: Trainer, directory=None) -> str:
                 "lora": self.lm.lora.to_dict() if self.lm.lora is not None else None,
                 "data": self.loader.state() if self.loader is not None else None,
                 "hparams": self.hparams, "history": self.history}
-        return ck.save(len(self.history), tree, meta)
+        path = ck.save(len(self.history), tree, meta)
+    _keep_tokenizer(self.lm.tokenizer, ck)
+    return path
+
+# %% ../nbs/08_train.ipynb #19c1a29e
+def _keep_tokenizer(tokenizer, ck):
+    """`tokenizer` beside the checkpoints, in their `tokenizer/` folder (once, whole or not at all), so that `LM.load`
+    of a step has it back (a byte-level or Llama tokenizer is no default one can guess)."""
+    from meshtx.storage import filesystem, is_remote, replace_dir, upload_dir
+    from meshtx.lm import _save_tokenizer
+    url = f"{ck.directory.rstrip('/')}/tokenizer"
+    fs, path = filesystem(url)
+    if tokenizer is None or jax.process_index() != 0 or fs.exists(path): return
+    if not is_remote(url): return replace_dir(path, lambda d: _save_tokenizer(tokenizer, d))
+    with tempfile.TemporaryDirectory(prefix="meshtx-tokenizer-") as d:
+        _save_tokenizer(tokenizer, Path(d))
+        upload_dir(d, url, marker=sorted(p.name for p in Path(d).iterdir())[0])
 
 # %% ../nbs/08_train.ipynb #c9994706
 def _check_restorable(ck, step: int, lora: bool) -> dict:

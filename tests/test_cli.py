@@ -184,6 +184,11 @@ def test_cli_newcomer_fixes(tmp_path):
     for bad in (("--temperature", "-1"), ("--temperature", "nan"), ("--top-k", "-2"), ("--repetition-penalty", "0")):
         r = meshtx("sample", "--preset", "demo", *bad)
         assert r.returncode == 2 and f"argument {bad[0]}" in r.stderr, (bad, r.stderr)
+    for bad in (("--lr", "nan"), ("--lr", "0"), ("--lora-alpha", "-1"), ("--val-fraction", "1")):   # before any tokenizing
+        r = meshtx("finetune", "--model", tmp_path / "missing", "--data", tmp_path / "missing.txt", *bad)
+        assert r.returncode == 2 and f"argument {bad[0]}: invalid" in r.stderr, (bad, r.stderr)
+    r = meshtx("prepare-data", tmp_path / "missing.txt", "--out", tmp_path / "d", "--val-fraction", "-0.1")
+    assert r.returncode == 2 and "argument --val-fraction: invalid val_fraction=-0.1" in r.stderr, r.stderr
     r = meshtx("serve", tmp_path / "missing", "--port", "0")            # the model as a positional argument
     assert r.returncode == 2 and "is not a checkpoint directory: it does not exist" in r.stderr, r.stderr
     r = meshtx("serve", tmp_path / "a", "--preset", "tiny")

@@ -163,6 +163,8 @@ def test_a_list_of_end_tokens_ends_generation_as_hf_does(where, tmp_path):
     with torch.no_grad():
         want = hf.generate(torch.tensor(prompt), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 5:].tolist()
     assert g.tokens[0] == want
+    unused = [[t] for t in range(LLAMA.n_vocab) if t not in free][:16]   # a caller's 16 stops leave the end tokens room
+    assert lm.generate(prompt, max_new_tokens=12, temperature=0, stop=unused).tokens[0] == want
     lm.save_hf(tmp_path / "out", progress=False)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["eos_token_id"] == [eos, end]
 
@@ -208,6 +210,74 @@ def test_yarn_configs_match_hf(name, tmp_path):
             "rope_truncate", "rotary_dim")
     back = ModelConfig.from_hf(lm.config.to_hf())   # and it writes back as the same scaling
     assert [getattr(back, f) for f in rope] == [getattr(lm.config, f) for f in rope]
+
+
+AS_WRITTEN = {   # Hugging Face configs as hub files write them: (config, from_hf's overrides, tokens)
+    "llama3 with the config's own original context (which transformers 5 reads first)":
+        (dict(model_type="llama", original_max_position_embeddings=4, rope_scaling=dict(
+            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)), {}, 40),
+    "llama3 without an original context (the model's, as HF fills it in)":
+        (dict(model_type="llama", max_position_embeddings=24, rope_scaling=dict(
+            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)), {}, 20),
+    "dynamic scaling run past its context (n_ctx given): the threshold stays the file's":
+        (dict(model_type="llama", max_position_embeddings=16, rope_scaling=dict(rope_type="dynamic", factor=4.0)), dict(n_ctx=64), 30),
+    "qwen2.5's yarn recipe (max_position_embeddings left at the original): its context is the scaled one":
+        (dict(model_type="qwen2", max_position_embeddings=32, rope_scaling=dict(type="yarn", factor=4.0,
+                                                                                original_max_position_embeddings=32)), {}, 48),
+    "swish (HF's other name for silu)": (dict(model_type="llama", hidden_act="swish"), {}, 12),
+    "qwen2 with its own head_dim": (dict(model_type="qwen2", head_dim=16), {}, 12),
+    "quick_gelu": (dict(model_type="gpt_neox", hidden_act="quick_gelu"), {}, 12),
+}
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("name", AS_WRITTEN)
+def test_configs_as_written_match_hf(name, tmp_path):
+    "Each reads as HF reads it: logits match on a sequence as long as HF runs it, and save_hf writes what HF reads the same."
+    transformers = quiet_transformers(); transformers.logging.set_verbosity_error()
+    extra, overrides, T = AS_WRITTEN[name]
+    d = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64,
+             vocab_size=256, max_position_embeddings=64, rope_theta=10000.0) | extra
+    model = make_hf(None, hf_config=transformers.AutoConfig.for_model(d.pop("model_type"), **d))
+    model.save_pretrained(tmp_path / "ckpt")
+    lm = LM.from_hf(tmp_path / "ckpt", dtype="float32", progress=False, **overrides)
+    tokens = np.random.default_rng(3).integers(0, 256, (2, T))
+    ref = hf_logits(model, tokens)
+    npt.assert_allclose(np.asarray(lm.logits(tokens)), ref, atol=1e-4, rtol=0)
+    lm.save_hf(tmp_path / "out", progress=False)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    npt.assert_allclose(hf_logits(back, tokens), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parity
+def test_a_checkpoint_naming_no_end_token_generates_to_its_length_as_hf_does(tmp_path):
+    """A Qwen2 config with `eos_token_id: null` (Qwen2Config's default) and no tokenizer: HF's generate never stops
+    early, so neither may meshtx, even where greedy decoding emits the id meshtx falls back to (n_vocab - 1)."""
+    import json, torch
+    transformers = quiet_transformers(); transformers.logging.set_verbosity_error()
+    hf_cfg = transformers.Qwen2Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                      intermediate_size=64, vocab_size=256, eos_token_id=None, bos_token_id=None)
+    model = make_hf(None, hf_config=hf_cfg)
+    prompt = [[5, 6, 7]]
+    with torch.no_grad():
+        first = model(torch.tensor(prompt)).logits[0, -1].argmax().item()
+        w = model.lm_head.weight
+        w[[first, 255]] = w[[255, first]]   # greedy's first token is now the last id
+        want = model.generate(torch.tensor(prompt), max_new_tokens=10, do_sample=False, pad_token_id=0)[0, 3:].tolist()
+    assert want[0] == 255 and len(want) == 10
+    model.save_pretrained(tmp_path / "ckpt")
+    lm = LM.from_hf(tmp_path / "ckpt", dtype="float32", progress=False, tokenizer=None)
+    g = lm.generate(prompt, max_new_tokens=10, temperature=0)
+    assert (g.tokens[0], g.finish_reasons[0]) == (want, "length")
+    lm.save_hf(tmp_path / "out", progress=False)   # and it writes no end token the checkpoint did not have
+    d = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (d.get("eos_token_id"), d.get("bos_token_id")) == (None, None)
+
+
+def test_a_config_without_model_type_is_refused_by_name(tmp_path):
+    (tmp_path / "config.json").write_text('{"hidden_size": 32}')
+    with pytest.raises(ValueError, match="config.json has no model_type: meshtx reads 'gptj', 'llama'"):
+        ModelConfig.from_hf(tmp_path / "config.json")
 
 
 QWEN2_WINDOW = VARIANTS["qwen2"].replace(n_layer=3, sliding_window=5, sliding_window_from=1)
@@ -326,8 +396,8 @@ def test_bad_family_configs_are_refused_by_name(tmp_path):
         LLAMA.replace(rope_scaling="yarn", rope_beta_fast=0)
     with pytest.raises(ValueError, match="rope_scaling's factor='4x' must be a number"):
         ModelConfig.from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "linear", "factor": "4x"}})
-    with pytest.raises(ValueError, match="rope_scaling of type 'llama3' needs 'original_max_position_embeddings'"):
-        ModelConfig.from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(ValueError, match="rope_scaling of type 'llama3' needs 'factor'"):
+        ModelConfig.from_hf({"model_type": "llama", "rope_scaling": {"rope_type": "llama3"}})
     with pytest.raises(ValueError, match="rope_scaling='yarn' must be a mapping"):
         ModelConfig.from_hf({"model_type": "qwen2", "rope_scaling": "yarn"})
     with pytest.raises(ValueError, match="rope_truncate='no' must be True or False"):

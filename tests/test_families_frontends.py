@@ -89,8 +89,12 @@ def meshtx(*args):
 
 
 def test_convert_both_ways_keeps_every_tensor_and_the_tokenizer(ckpt, tmp_path):
+    import json
     from safetensors.numpy import load_file
-    d = ckpt.dir
+    d = tmp_path / "src"
+    shutil.copytree(ckpt.dir, d)
+    gen = json.loads((d / "generation_config.json").read_text()) | {"do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    (d / "generation_config.json").write_text(json.dumps(gen))   # a chat model's sampling defaults travel with it
     r = meshtx("convert", d, tmp_path / "mtx", "-q")
     assert r.returncode == 0, r.stderr
     r = meshtx("convert", tmp_path / "mtx", tmp_path / "hf", "-q")
@@ -100,6 +104,9 @@ def test_convert_both_ways_keeps_every_tensor_and_the_tokenizer(ckpt, tmp_path):
     for k in a: npt.assert_array_equal(a[k], b[k])
     back = LM.from_hf(tmp_path / "hf", dtype="float32", progress=False)
     assert back.config.family == ckpt.name and back.tokenizer.chat_template == CHAT
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == gen == back.generation_config
+    hf_gen = quiet_transformers().GenerationConfig.from_pretrained(tmp_path / "hf")   # as HF's generate reads it
+    assert (hf_gen.temperature, hf_gen.top_p, hf_gen.eos_token_id) == (0.6, 0.9, gen["eos_token_id"])
 
 
 @pytest.mark.timeout(300)

@@ -100,6 +100,31 @@ def test_logprobs_and_stop_and_stream():
     assert streamed == g.texts[1]
 
 
+def test_a_stop_string_found_by_the_host_cuts_the_tokens_in_the_call_that_reaches_the_limit():
+    """A stop string across two tokens is the host's to find (its own tokens differ); when the row also reaches
+    max_new_tokens in that device call, its tokens and log-probabilities still end at the token that completes it,
+    in `generate`, its stream and the slots alike."""
+    from meshtx.slots import Slots
+    lm = LM.init("demo")
+    prompt = "The quick brown"
+    free = lm.generate(prompt, max_new_tokens=12, temperature=0)
+    piece = lambda t: lm.tokenizer.decode([t])
+    for j in range(len(free.tokens[0]) - 3):    # a stop made of one token's last characters and the next one's first
+        a, b = piece(free.tokens[0][j]), piece(free.tokens[0][j + 1])
+        stop = a[-2:] + b[:2]
+        if len(a) >= 2 and len(b) >= 2 and stop not in lm.tokenizer.decode(free.tokens[0][:j + 1]): break
+    else: pytest.skip("no two long tokens in a row")   # (the demo model's greedy text has them)
+    n = j + 4   # more than the two tokens, within one device call
+    g = lm.generate(prompt, max_new_tokens=n, temperature=0, stop=[stop], steps_per_call=16, logprobs=True)
+    assert (len(g.tokens[0]), len(g.logprobs[0]), g.finish_reasons[0]) == (j + 2, j + 2, "stop"), (j, stop, g)
+    streamed = lm.generate(prompt, max_new_tokens=n, temperature=0, stop=[stop], steps_per_call=16, stream=True)
+    assert "".join(p for _, p in streamed) == g.texts[0] and streamed.tokens[0] == g.tokens[0]
+    slots = Slots(lm, rows=1, max_len=64)
+    slots.add(prompt, max_new_tokens=n, temperature=0, stop=[stop])
+    done = slots.step(16)
+    assert (done[0].tokens, done[0].text, done[0].finish_reason) == (g.tokens[0], g.texts[0], "stop")
+
+
 def test_bad_options_are_named():
     lm = LM.init("tiny")
     for kw, msg in [({"top_p": -0.5}, "invalid top_p=-0.5"), ({"top_k": -2}, "invalid top_k=-2"), ({"top_p": 1.5}, "invalid top_p=1.5"), ({"top_k": 0.5}, "invalid top_k=0.5"),
@@ -272,11 +297,19 @@ def test_logit_bias_forces_and_bans_tokens():
     ({"top_logprobs": -1}, "invalid top_logprobs=-1"), ({"top_logprobs": 2.0}, "invalid top_logprobs=2.0"),
     ({"top_logprobs": 5000}, "invalid top_logprobs=5000: an integer in [0, 1024]"),
     ({"stop": [[1]] * 17}, "invalid stop=<17 sequences>: at most 16"), ({"stop": [list(range(1, 66))]}, "1 to 64 token ids"),
+    ({"stop": -1}, "invalid stop=[-1]: token ids are in [0, 1024)"), ({"stop": [[5, 5000]]}, "invalid stop=[5, 5000]"),
+    ({"stop": 10**10}, "invalid stop=[10000000000]"), ({"stop": True}, "invalid stop=True"), ({"stop": [1.5]}, "invalid stop=1.5"),
+    ({"steps_per_call": 0}, "invalid steps_per_call=0: an integer ≥ 1"), ({"steps_per_call": 2.5}, "invalid steps_per_call=2.5"),
+    ({"temperature": True}, "invalid temperature=True"), ({"temperature": "0.5"}, "invalid temperature='0.5'"),
+    ({"top_k": True}, "invalid top_k=True"), 
+    ({"seed": True}, "invalid seed=True"), ({"max_new_tokens": True}, "invalid max_new_tokens=True"), ({"repetition_penalty": True}, "invalid repetition_penalty=True"),
+    ({"eos_token_id": 5000}, "invalid eos_token_id=5000: a token id in [0, 1024), None or 'auto'"),
+    ({"eos_token_id": "x"}, "invalid eos_token_id='x'"),
 ])
 def test_bad_new_options_are_named(kw, msg):
     import re
     with pytest.raises(ValueError, match=re.escape(msg)):
-        LM.init("tiny").generate([[1, 2]], max_new_tokens=2, **kw)
+        LM.init("tiny").generate([[1, 2]], **{"max_new_tokens": 2, **kw})
 
 
 def test_top_logprobs_are_the_models_own():

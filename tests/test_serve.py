@@ -490,3 +490,23 @@ def test_a_request_longer_than_a_row_runs_as_generate(demo):
     stats = b.stats()
     assert stats["slot_len"] == 32 and stats["decode_calls"] > 0 and stats["generate_calls"] >= 2, stats
     assert Batcher(demo).stats()["slot_len"] == demo.config.n_ctx   # all of n_ctx (512): this machine has the memory
+
+
+def test_a_request_without_max_tokens_fills_a_row_beside_the_others(demo):
+    """Chat's default (no max_tokens) is the room a row leaves, when rows are shorter than the context: such requests
+    run in the slots together (none alone as a `generate` batch), and each ends where a row does."""
+    import asyncio
+    from meshtx.serve import Batcher, Job
+    b = Batcher(demo, max_batch=2, slot_len=24)
+    b.start()
+    try:
+        async def ask():
+            jobs = [Job([p], max_tokens=None, temperature=0) for p in PROMPTS[:2]]
+            return await asyncio.gather(*(b.complete(j) for j in jobs)), jobs
+        results, jobs = asyncio.run(ask())
+    finally: b.close()
+    for p, job, r in zip(PROMPTS, jobs, results):
+        n = len(demo.tokenizer(p).input_ids)
+        assert job.max_tokens == 24 - n and b._continuous(job), (job.max_tokens, n)   # it fits a row, so it ran in one
+        assert r[0]["text"] == greedy(demo, p, 24 - n).texts[0]
+    assert b.stats()["decode_calls"] > 0

@@ -147,6 +147,11 @@ def test_bad_input_is_named(lm):
     with pytest.raises(ValueError, match="exceeds n_ctx=128"): slots.add([[1] * 100], max_new_tokens=40)
     with pytest.raises(ValueError, match="outside"): slots.add([[CFG.n_vocab]])
     assert slots.free() == [0, 1] and not any(slots.busy)   # nothing was taken
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=f"invalid steps={bad!r}: an integer ≥ 1"): slots.step(bad)
+    for bad in (-1, 2, 1.0):   # -1 is not the last row, nor 1.0 a row
+        with pytest.raises(ValueError, match=f"invalid row={bad!r}: a row in \\[0, 2\\)"): slots.drop(bad)
+    with pytest.raises(ValueError, match="invalid eos_token_id=5000"): Slots(lm, eos_token_id=5000)
 
 
 def test_short_rows_give_what_generate_gives(lm):

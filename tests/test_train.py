@@ -178,6 +178,29 @@ def test_steps_compile_once(lora):
     assert t._step._cache_size() == 1 and t._eval._cache_size() == 1
 
 
+def test_bad_settings_and_batches_are_refused_by_name():
+    """What a notebook user can hand a Trainer that would train backwards, train nothing, or fail as a NaN or an
+    index error deep inside a step: refused now, naming it."""
+    batch = np.tile(np.arange(10, 42), 3)[None, None, :33].repeat(4, axis=1)
+    for kw, msg in [(dict(clip=-1.0), "clip=-1.0 must be"), (dict(weight_decay=float("nan")), "weight_decay=nan must be"),
+                    (dict(warmup_steps=-5), "warmup_steps=-5 must be an integer ≥ 0")]:
+        with pytest.raises(ValueError, match=msg): Trainer(LM.init(CFG), itertools.repeat(batch), progress=False, **kw)
+    t = Trainer(LM.init(CFG), itertools.repeat(batch), clip=0, lr=1e-2, progress=False)   # 0: no clipping, as HF's
+    first = t.evaluate([batch]); t.run(4)
+    assert t.evaluate([batch]) < first - 0.5
+    for bad, msg in [(-batch, "token ids from -41 to -10, outside \\[0, 257\\)"), (batch.astype(bool), "not bool"),
+                     (batch[..., :1], "seq ≥ 1"), (np.zeros((1, 1, 71), int), "70 \\+ 1 tokens exceed the model's n_ctx=64"),
+                     (batch.astype(float), "integer token ids, not float64")]:
+        t.train_data = iter([bad])
+        with pytest.raises(ValueError, match=msg): t.step()
+    t.lm.add_lora(4)   # a full fine-tune's trainer, after adapters were added: it would write weights without them
+    with pytest.raises(ValueError, match="LoRA adapters were added since"): t.step()
+    lm = LM.init(CFG)
+    one, two = (Trainer(lm, itertools.repeat(batch), progress=False) for _ in range(2))
+    two.step()   # consumed the weights both were given
+    with pytest.raises(ValueError, match="handed to another trainer's step"): one.step()
+
+
 def test_adafactor_trains():
     batch = np.tile(np.arange(10, 42), 3)[None, None, :33].repeat(4, axis=1)
     t = Trainer(LM.init(CFG), itertools.repeat(batch), optimizer="adafactor", lr=1e-2, progress=False)
@@ -246,12 +269,15 @@ def test_resume_prunes_what_a_kill_during_pruning_left(tmp_path, monkeypatch):
 
 def test_lm_load_reads_a_training_checkpoint(tmp_path):
     "What `meshtx train` or the fine-tune widget saved loads as a model: the folder (its latest step) or one step."
+    from meshtx.tokenizer import ByteTokenizer
     batch = np.random.RandomState(0).randint(0, 100, (2, 17))
-    t = Trainer(LM.init(CFG, seed=2), itertools.repeat(batch), lr=1e-3, checkpoint_dir=tmp_path / "ck", progress=False)
+    t = Trainer(LM.init(CFG, seed=2, tokenizer=ByteTokenizer()), itertools.repeat(batch), lr=1e-3,
+                checkpoint_dir=tmp_path / "ck", progress=False)
     t.step(); t.save(); t.step(); last = t.save()
     for path in (tmp_path / "ck", last):
         lm = LM.load(path)
         assert lm.config == t.lm.config
+        assert isinstance(lm.tokenizer, ByteTokenizer)   # kept beside the checkpoints: no default could guess it
         jax.tree.map(npt.assert_array_equal, jax.tree.map(np.asarray, lm.params), jax.tree.map(np.asarray, t.lm.params))
     first = LM.load(tmp_path / "ck" / "step_00000001")
     assert not np.array_equal(np.asarray(first.logits([[1, 2, 3]])), np.asarray(lm.logits([[1, 2, 3]])))
