@@ -72,6 +72,8 @@ def choose_axes(n_devices: int, dp=None, fsdp=None, mp=None, config: ModelConfig
 def make_mesh(dp=None, fsdp=None, mp=None, devices=None, *, config: ModelConfig | None = None, mode="infer") -> Mesh:
     "A `Mesh` with axes ('dp', 'fsdp', 'mp') over `devices` (default: all devices of all processes)."
     devices = list(jax.devices() if devices is None else devices)
+    if len(set(devices)) < len(devices): raise ValueError(f"devices={devices!r} names a device more than once: a mesh "
+                                                          "places each device once")
     sizes = choose_axes(len(devices), dp, fsdp, mp, config, mode)
     shape = tuple(sizes[a] for a in AXES)
     try:   # a topology-aware layout on TPU/GPU (mp on the fastest links); any order works on CPU
@@ -259,10 +261,11 @@ class MemoryPlan:
     _repr_pretty_ = lambda self, p, cycle: p.text(str(self))
 
 # %% ../nbs/03_sharding.ipynb #cef5e857
-def _rows_per_device(mode: str, batch: int, shards: int, notes: list, least: int = 1) -> int:
-    """How many rows of the batch one device holds; a training batch that does not split over `shards` is replicated (noted).
-    `least`: the fewest rows `generate` runs (2 for bf16 on a CPU, whose matrix library wants 2 rows to multiply bf16)."""
-    if mode == "infer":   # `generate` pads the batch to a power of two, then to a multiple of dp × fsdp
+def _rows_per_device(mode: str, batch: int, shards: int, notes: list, least: int = 1, generating: bool = False) -> int:
+    """How many rows of the batch one device holds; a batch that does not split over `shards` is replicated (noted),
+    except in generation (`generating`), which pads it. `least`: the fewest rows `generate` runs (2 for bf16 on a CPU,
+    whose matrix library wants 2 rows to multiply bf16)."""
+    if generating:   # `generate` pads the batch to a power of two, then to a multiple of dp × fsdp
         return -(-max(least, 1 << max(0, batch - 1).bit_length()) // shards)
     rows = batch // shards if batch % shards == 0 else batch   # a batch that does not split is replicated
     if rows == batch and shards > 1:
@@ -400,7 +403,7 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     remat = config.remat if remat is None else bool(remat)
     shards = axes["dp"] * axes["fsdp"]
     least = 2 if prompt and backend == "cpu" and jnp.dtype(compute_dtype) != jnp.float32 else 1   # as `generate` pads
-    rows = _rows_per_device(mode, batch, shards, notes, least)
+    rows = _rows_per_device(mode, batch, shards, notes, least, generating=prompt is not None)   # else: `lm.logits`, a step
     if param_dtype is None: param_dtype = "float32" if mode == "train" else "bfloat16"
     shapes = param_shapes(config)
     specs = param_specs(shapes, grid)

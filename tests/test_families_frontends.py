@@ -244,7 +244,7 @@ def test_finetune_and_eval_command_lines(ckpt, tmp_path):
     from safetensors.numpy import load_file
     (tmp_path / "text.txt").write_text(README.read_text()[:6000])
     r = meshtx("finetune", "--model", ckpt.dir, "--data", tmp_path / "text.txt", "--out", tmp_path / "out", "--lora", 4,
-               "--steps", 4, "--batch", 2, "--seq", 16, "--lr", 1e-2, "--dtype", "float32", "-q")
+               "--steps", 8, "--batch", 4, "--seq", 16, "--lr", 1e-2, "--dtype", "float32", "-q")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     before, after = (float(x) for x in re.findall(r"held-out loss (?:before|after \d+ steps): ([\d.]+)", r.stdout))
     assert after < before, r.stdout

@@ -115,6 +115,22 @@ def test_impossible_meshes_say_what_works():
     with pytest.raises(ValueError, match=r"fsdp=8 must divide d_model=36"):
         make_mesh(fsdp=8, config=ModelConfig(n_layer=1, d_model=36, n_head=6, rotary_dim=2, n_vocab=64))
     assert dict(make_mesh(config=cfg).shape) == {"dp": 4, "fsdp": 1, "mp": 2}   # inference: mp as far as heads allow
+    with pytest.raises(ValueError, match="names a device more than once"):
+        make_mesh(dp=2, devices=[jax.devices()[0]] * 2)
+
+
+def test_plan_of_logits_counts_a_batch_that_does_not_split_whole():
+    """`lm.logits` (and a step) leave a batch that does not split over dp × fsdp replicated: every device holds all of
+    its rows, as XLA's program does; only generation pads the batch to the mesh, one row per device here."""
+    from meshtx.compiled import compiled_memory
+    cfg = CFG.replace(param_dtype="float32", compute_dtype="float32")
+    mesh = make_mesh(dp=8)
+    whole, split = (plan(cfg, mesh, mode="infer", batch=b, seq=64, param_dtype="float32", compute_dtype="float32") for b in (4, 8))
+    assert whole.bytes["activations"] > 3 * split.bytes["activations"] and any("does not split" in n for n in whole.notes)
+    xla = compiled_memory(cfg, mesh, mode="infer", batch=4, seq=64, param_dtype="float32", compute_dtype="float32")
+    assert whole.total >= 0.9 * xla.total, (whole.total, xla.total)   # it counted 0.54 of XLA's when it padded
+    generating = plan(cfg, mesh, mode="infer", batch=4, seq=64, prompt=32, param_dtype="float32", compute_dtype="float32")
+    assert generating.bytes["activations"] < whole.bytes["activations"]
     assert dict(make_mesh(dp=2, mode="train").shape) == {"dp": 2, "fsdp": 4, "mp": 1}   # training: what dp leaves, fsdp takes
 
 
