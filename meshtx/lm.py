@@ -190,15 +190,16 @@ def _from_training(cls: LM, ck, step, dtype=None, compute_dtype=None, mesh=None)
     params = ck.restore(step, {"params": target})[0]["params"]
     config = _with_dtype(config, dtype, compute_dtype)
     if dtype is not None: params = jax.tree.map(lambda x: x.astype(config.param_dtype), params)
-    return cls(config, params, _training_tokenizer(ck) or _default_tokenizer(config), mesh)
+    tokenizer, generation = _kept_beside(ck)
+    return cls(config, params, tokenizer or _default_tokenizer(config), mesh, generation_config=generation)
 
 # %% ../nbs/04_lm.ipynb #da2d56f0
-def _training_tokenizer(ck):
-    "The tokenizer a `Trainer` kept beside its checkpoints (`tokenizer/`), or None."
+def _kept_beside(ck):
+    "The tokenizer and generation_config.json a `Trainer` kept beside its checkpoints (`tokenizer/`), or Nones."
     url = f"{ck.directory.rstrip('/')}/tokenizer"
-    if not ck.fs.exists(url if is_remote(url) else Path(url)): return None
+    if not ck.fs.exists(url if is_remote(url) else Path(url)): return None, None
     path = fetch_dir(url, progress=False) if is_remote(url) else Path(url)
-    return load_tokenizer(path) if has_tokenizer(path) else None
+    return (load_tokenizer(path) if has_tokenizer(path) else None), _generation_dict(path) or None
 
 # %% ../nbs/04_lm.ipynb #b0635640
 OLD_QKV = "gptj/blocks/attn/qkv"   # in a checkpoint of an earlier meshtx, whose matrices were [in, out]

@@ -397,21 +397,22 @@ def save(self: Trainer, directory=None) -> str:
                 "data": self.loader.state() if self.loader is not None else None,
                 "hparams": self.hparams, "history": self.history}
         path = ck.save(len(self.history), tree, meta)
-    _keep_tokenizer(self.lm.tokenizer, ck)
+    _keep_tokenizer(self.lm.tokenizer, ck, self.lm.generation_config)
     return path
 
 # %% ../nbs/08_train.ipynb #19c1a29e
-def _keep_tokenizer(tokenizer, ck):
-    """`tokenizer` beside the checkpoints, in their `tokenizer/` folder (once, whole or not at all), so that `LM.load`
-    of a step has it back (a byte-level or Llama tokenizer is no default one can guess)."""
+def _keep_tokenizer(tokenizer, ck, generation_config=None):
+    """`tokenizer` and the model's `generation_config` beside the checkpoints, in their `tokenizer/` folder (once, whole
+    or not at all), so that `LM.load` of a step has them back (a byte-level or Llama tokenizer is no default one can
+    guess; a chat model's end tokens and sampling defaults are in its generation_config.json)."""
     from meshtx.storage import filesystem, is_remote, replace_dir, upload_dir
     from meshtx.lm import _save_tokenizer
     url = f"{ck.directory.rstrip('/')}/tokenizer"
     fs, path = filesystem(url)
-    if tokenizer is None or jax.process_index() != 0 or fs.exists(path): return
-    if not is_remote(url): return replace_dir(path, lambda d: _save_tokenizer(tokenizer, d))
+    if (tokenizer is None and not generation_config) or jax.process_index() != 0 or fs.exists(path): return
+    if not is_remote(url): return replace_dir(path, lambda d: _save_tokenizer(tokenizer, d, generation_config))
     with tempfile.TemporaryDirectory(prefix="meshtx-tokenizer-") as d:
-        _save_tokenizer(tokenizer, Path(d))
+        _save_tokenizer(tokenizer, Path(d), generation_config)
         upload_dir(d, url, marker=sorted(p.name for p in Path(d).iterdir())[0])
 
 # %% ../nbs/08_train.ipynb #c9994706

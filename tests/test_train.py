@@ -271,13 +271,15 @@ def test_lm_load_reads_a_training_checkpoint(tmp_path):
     "What `meshtx train` or the fine-tune widget saved loads as a model: the folder (its latest step) or one step."
     from meshtx.tokenizer import ByteTokenizer
     batch = np.random.RandomState(0).randint(0, 100, (2, 17))
-    t = Trainer(LM.init(CFG, seed=2, tokenizer=ByteTokenizer()), itertools.repeat(batch), lr=1e-3,
-                checkpoint_dir=tmp_path / "ck", progress=False)
+    model = LM.init(CFG, seed=2, tokenizer=ByteTokenizer())
+    model.generation_config = {"eos_token_id": [7, 9], "temperature": 0.6}   # a chat model's, from its generation_config.json
+    t = Trainer(model, itertools.repeat(batch), lr=1e-3, checkpoint_dir=tmp_path / "ck", progress=False)
     t.step(); t.save(); t.step(); last = t.save()
     for path in (tmp_path / "ck", last):
         lm = LM.load(path)
         assert lm.config == t.lm.config
         assert isinstance(lm.tokenizer, ByteTokenizer)   # kept beside the checkpoints: no default could guess it
+        assert lm.generation_config == model.generation_config   # and so are its sampling defaults, for its next save
         jax.tree.map(npt.assert_array_equal, jax.tree.map(np.asarray, lm.params), jax.tree.map(np.asarray, t.lm.params))
     first = LM.load(tmp_path / "ck" / "step_00000001")
     assert not np.array_equal(np.asarray(first.logits([[1, 2, 3]])), np.asarray(lm.logits([[1, 2, 3]])))
