@@ -161,16 +161,18 @@ def replace_invalid(text: str) -> tuple[str, int]:
 PART_CHARS = 1 << 20
 _SAFE_CUT = re.compile(r"(?<=\S)\n(?=\S)|(?<=\S)(?= \S)")   # after such a newline, or before such a space
 
-def _cut(text: str) -> int:
-    "Where to cut `text` into two parts that tokenize as the whole does: the last safe place in its second half."
+def _cut(text: str, lo: int, hi: int | None = None) -> int | None:
+    """Where to cut `text` into two parts that tokenize as the whole does: its last safe place between characters `lo`
+    and `hi` (its end), else its first after `hi`; None where it has none (it is then not cut at all)."""
+    hi = len(text) if hi is None else hi
     last = None
-    for last in _SAFE_CUT.finditer(text, len(text) // 2): pass
-    return last.end() if last else len(text)
+    for last in _SAFE_CUT.finditer(text, lo, hi): pass
+    last = last or _SAFE_CUT.search(text, hi)
+    return last.end() if last else None
 
 def _split_long(text: str, part_chars: int = PART_CHARS) -> Iterator[str]:
-    "`text` in parts of about `part_chars` characters, cut where the tokens cannot change (`_cut`)."
-    while len(text) > 2 * part_chars:
-        at = _cut(text[: 2 * part_chars])
+    "`text` in parts of about `part_chars` to `2 × part_chars` characters, cut where the tokens cannot change (`_cut`)."
+    while len(text) > 2 * part_chars and (at := _cut(text, part_chars, 2 * part_chars)):
         yield text[:at]; text = text[at:]
     yield text
 
@@ -187,6 +189,7 @@ def _text_pieces(f, chunk_bytes: int = 1 << 20, part_chars: int = PART_CHARS, pa
     decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")
     keep = len(EOT_TEXT) - 1          # characters that may be the start of a separator cut by the read
     done, tail, first = "", "", True  # the current document's text not handed on yet, and its last `keep` characters
+    looked = 0                        # where `done` has no safe cut before
     while True:
         chunk = f.read(chunk_bytes)
         text = decoder.decode(chunk, final=not chunk)
@@ -195,16 +198,15 @@ def _text_pieces(f, chunk_bytes: int = 1 << 20, part_chars: int = PART_CHARS, pa
         pieces = (tail + text).split(EOT_TEXT)
         for piece in pieces[:-1]:
             yield from _record_parts([done + piece], part_chars)
-            done = ""
+            done, looked = "", 0
         if not chunk:
             yield from _record_parts([done + pieces[-1]], part_chars)
             return
         cut = max(0, len(pieces[-1]) - keep)
         done += pieces[-1][:cut]; tail = pieces[-1][cut:]
-        if len(done) > part_chars:   # a long document: hand on what is safe to cut off
-            at = _cut(done)
-            yield done[:at], False
-            done = done[at:]
+        if len(done) > part_chars:   # a long document: hand on what is safe to cut off (if anything is)
+            if at := _cut(done, max(len(done) // 2, looked)): yield done[:at], False; done = done[at:]
+            looked = 0 if at else len(done) - 1   # (a safe place needs the character after it: the next read's)
 
 # %% ../nbs/06_data.ipynb #33603d87
 def _jsonl_texts(f, path: str, counts: dict | None = None) -> Iterator[str]:
