@@ -277,7 +277,7 @@ def _rows_per_device(mode: str, batch: int, shards: int, notes: list, least: int
 MP_RESIDUALS = {"tpu": 1, "gpu": 0.25}   # with mp > 1, the saved residuals again (measured: XLA:TPU, XLA:GPU)
 
 def _working_bytes(config: ModelConfig, shapes: dict, axes: dict, mode: str, batch: int, rows: int, seq: int,
-                   compute_dtype, kv_c: int, prompt: int | None = None, backend: str = "cpu") -> dict:
+                   compute_dtype, kv_c: int, prompt: int | None = None, backend: str = "cpu", param_dtype=None) -> dict:
     """Per device: FSDP's gathered weights, the activations (with and without remat) and the KV cache. With `prompt`
     (inference), only `prompt` of the `seq` cache slots are computed, and only the last position's logits kept.
     Training's loss is counted as `backend`'s XLA holds it (measured on each: a GPU's compiled without one)."""
@@ -288,10 +288,12 @@ def _working_bytes(config: ModelConfig, shapes: dict, axes: dict, mode: str, bat
     new = prompt or seq                 # the positions computed at once
     tok = rows * new
     H, HD, F = config.n_head / mpn, config.n_head * config.d_head / mpn, config.d_ff / mpn
-    layer = tok * (c * (2 * D + 6 * HD + (2 + config.gated_mlp) * F) + H * new * (4 + c))   # everything one block keeps for backward
+    def kept(width):   # everything one block keeps for backward, its [tokens, features] values `width` bytes each
+        return tok * (width * (2 * D + 6 * HD + (2 + config.gated_mlp) * F) + H * new * (4 + c))
+    layer = kept(c)
+    block = sum(math.prod(x.shape[1:]) for m, ps in shapes.items() if "/blocks/" in m for x in ps.values()) / mpn
     if axes["fsdp"] > 1:   # FSDP all-gathers one block's weights (this one and the next, prefetched) before use
-        block = sum(math.prod(x.shape[1:]) for m, ps in shapes.items() if "/blocks/" in m for x in ps.values())
-        w["gathered"] = int(2 * block / mpn * c)
+        w["gathered"] = int(2 * block * c)
     logits = (rows if prompt else tok) * V / mpn * 4
     if mode == "infer":
         kv = L * 2 * rows * int(config.n_kv_head * config.d_head / mpn)   # keys and values of one position, every layer's
@@ -316,7 +318,13 @@ def _working_bytes(config: ModelConfig, shapes: dict, axes: dict, mode: str, bat
         else:   # XLA:CPU (measured): a chunk's logits and exponentials, and, training the head, the logits' gradient,
             loss = (3 if mode == "train" else 2) * chunk + head   # beside the blocks' backward (a frozen head's logit
             late = layer + loss                                   # gradient reuses a buffer)
-        w["activations_no_remat"] = int(L * layer + loss)
+        # without remat, XLA:CPU keeps every block's values as it computed them, in float32 (measured at GPT-J's width,
+        # LoRA, seq 512 and 1024: 0.96-1.0 of XLA's bytes per block; counted at `c` bytes it was 0.55-0.63)
+        w["activations_no_remat"] = int(L * (kept(4) if backend == "cpu" else layer) + loss)
+        if mode == "lora" and param_dtype is not None and _nbytes(param_dtype) > c:   # frozen weights wider than the compute:
+            # without remat, every block's converted weights are kept for the backward, in float32 on a TPU (measured,
+            # GPT-J's width: 1.0 of XLA's bytes per block) and as computed on a CPU (0.95); a GPU's are counted as a CPU's
+            w["activations_no_remat"] += int(L * block * (4 if backend == "tpu" else c))
         w["activations"] = int(L * tok * c * D + late)
     return w
 
@@ -412,7 +420,7 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
                    for m, ps in shapes.items() for p, x in ps.items())
     b = _state_bytes(config, mode, per_device, param_dtype, opt_dtype, lora_rank, backend, notes)
     kv_c = _nbytes(cache_dtype(config.replace(compute_dtype=str(jnp.dtype(compute_dtype))), backend))   # float32 on a CPU
-    b.update(_working_bytes(config, shapes, axes, mode, batch, rows, seq, compute_dtype, kv_c, prompt, backend))
+    b.update(_working_bytes(config, shapes, axes, mode, batch, rows, seq, compute_dtype, kv_c, prompt, backend, param_dtype))
     wide = _float32_head(config, mode, axes["mp"], device, compute_dtype, notes)   # 0 but on a T4, V100 or P100
     widened = _cpu_widened(config, shapes, axes["mp"], backend, compute_dtype, notes)   # 0 but on a CPU of jaxlib 0.7
     wide += widened
