@@ -49,7 +49,7 @@ def add_lora(lm: LM, lora: LoRAConfig | int = 8, seed: int = 0, **kwargs) -> LM:
     if lm.lora is not None: raise ValueError(f"this model already has LoRA adapters ({lm.lora})")
     lora = LoRAConfig(rank=lora, **kwargs) if isinstance(lora, int) else lora
     params = join(lm.params, init_lora(lm.config, lora, seed, lm.mesh))
-    lm.__init__(lm.config, params, lm.tokenizer, lm.mesh, lora)
+    lm.__init__(lm.config, params, lm.tokenizer, lm.mesh, lora, lm.generation_config)
     return lm
 
 # %% ../nbs/07a_lora.ipynb #b0bbfabb
@@ -80,7 +80,7 @@ def merge_lora(lm: LM) -> LM:
     if lm.lora is None: raise ValueError("this model has no LoRA adapters to merge")
     with lm.lock:   # the merge takes (donates) the weights: not while another thread generates or trains
         params = merge_adapters(lm.params, lm.lora)
-        lm.__init__(lm.config, params, lm.tokenizer, lm.mesh, None)
+        lm.__init__(lm.config, params, lm.tokenizer, lm.mesh, None, lm.generation_config)
     return lm
 
 # %% ../nbs/07a_lora.ipynb #fd51122f
@@ -135,5 +135,5 @@ def load_adapters(lm: LM, path) -> LM:
     if lm.mesh is not None:
         adapters = jax.device_put(adapters, jax.sharding.NamedSharding(lm.mesh, jax.sharding.PartitionSpec()))
     else: adapters = jax.tree.map(jnp.asarray, adapters)
-    lm.__init__(lm.config, join(lm.params, adapters), lm.tokenizer, lm.mesh, lora)
+    lm.__init__(lm.config, join(lm.params, adapters), lm.tokenizer, lm.mesh, lora, lm.generation_config)
     return lm

@@ -215,7 +215,8 @@ def _save_model(lm: LM, model_path, adapters_path):
     out = lm
     if jax.process_count() > 1:   # weights split over hosts: gathered whole (one tensor at a time on the devices)
         from jax.experimental import multihost_utils
-        out = LM(lm.config, jax.tree.map(lambda x: multihost_utils.process_allgather(x, tiled=True), lm.params), lm.tokenizer)
+        out = LM(lm.config, jax.tree.map(lambda x: multihost_utils.process_allgather(x, tiled=True), lm.params), lm.tokenizer,
+                 generation_config=lm.generation_config)
     if is_main_process(): out.save_hf(model_path, progress=False)
     sync(f"save {model_path}")
 

@@ -125,3 +125,17 @@ finetune({str(tmp_path / "base")!r}, {str(tmp_path / "text.txt")!r}, {str(tmp_pa
     lm = LM.load(result["model"], progress=False)
     assert lm.logits([1, 2, 3]).shape == (1, 3, 257)
     assert not [p.name for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]   # no leftovers
+
+
+def test_adapters_keep_the_models_generation_config(tmp_path):
+    "Adding, loading and merging adapters keeps a chat model's generation_config.json (its end tokens, sampling defaults) for its saves."
+    lm = LM.init(CFG, seed=0)
+    lm.generation_config = gen = {"eos_token_id": [3, 4], "temperature": 0.7}
+    lm.add_lora(4)
+    assert lm.generation_config == gen
+    lm.save_adapters(tmp_path / "ad")
+    other = LM.init(CFG, seed=0)
+    other.generation_config = gen
+    assert other.load_adapters(tmp_path / "ad").generation_config == gen
+    lm.merge_lora().save(tmp_path / "merged")
+    assert lm.generation_config == gen and LM.load(tmp_path / "merged").generation_config == gen
