@@ -99,7 +99,10 @@ def source_files(sources, storage_options=None, exclude=()) -> list[tuple[fsspec
         if not kept: raise FileNotFoundError(f"{source}: no files there")
         found = kept
         files += [(fs, p) for p in found]
-    return files
+    unique = list({(type(fs), p): (fs, p) for fs, p in files}.values())   # the first place each file is named
+    if len(unique) < len(files):   # (twice in the data, a document could be trained on and held out for validation)
+        warnings.warn(f"{len(files) - len(unique)} of the files {sources} names are named more than once: each is read once")
+    return unique
 
 # %% ../nbs/06_data.ipynb #b6fd98ed
 EOT_TEXT = "<|endoftext|>"
@@ -430,10 +433,23 @@ class _WindowWriter:
         self.pending = [tokens[windows.size:]]; self.n_pending = len(tokens) - windows.size
 
 # %% ../nbs/06_data.ipynb #73c02171
+_CUT_PROBE = "One line,\nanother; a word,  two words.\tTabs\n12 345 naïve 漢字 e-mail\n(x) = [y]"
+
+def _cuts_keep_tokens(encode) -> bool:
+    """Whether `encode` gives the parts of a text cut at `_SAFE_CUT`'s places the tokens of the whole: a byte-level BPE
+    does; a tokenizer that starts every text with "▁" (Llama 2's, Mistral's) gives each part one more. (One that
+    cannot encode this text at all, a test's, is not cut either.)"""
+    cuts = [0, *(m.end() for m in _SAFE_CUT.finditer(_CUT_PROBE)), len(_CUT_PROBE)]
+    parts = [_CUT_PROBE[a:b] for a, b in zip(cuts, cuts[1:])]
+    try: return [t for ids in encode(parts) for t in ids] == list(encode([_CUT_PROBE])[0])
+    except Exception: return False
+
 def _token_arrays(files, tokenizer, eot: int, stats: dict, bar, batch_docs: int = 256, batch_chars: int = 4 * PART_CHARS):
     """(token array, where it came from) for every document (followed by `eot`) or TFRecord record of `files`; text
-    goes to the tokenizer in batches of at most `batch_docs` parts and about `batch_chars` characters."""
+    goes to the tokenizer in batches of at most `batch_docs` parts and about `batch_chars` characters. A tokenizer whose
+    tokens a cut could change gets each document whole."""
     encode = _batch_encoder(tokenizer)
+    part_chars = PART_CHARS if _cuts_keep_tokens(encode) else float("inf")
     for fs, path in files:
         if file_kind(path) == "tfrecord":
             for number, tokens in enumerate(_tfrecord_tokens(fs, path), 1):
@@ -442,7 +458,7 @@ def _token_arrays(files, tokenizer, eot: int, stats: dict, bar, batch_docs: int 
                 yield tokens, f"{path}, record {number}"
             stats["n_files"] = stats.get("n_files", 0) + 1
             continue
-        parts, batch, size = _file_parts(fs, path, stats), [], 0
+        parts, batch, size = _file_parts(fs, path, stats, part_chars), [], 0
         for part in chain(parts, [None]):
             if part is not None: batch.append(part); size += len(part[0])
             if batch and (part is None or len(batch) == batch_docs or size >= batch_chars):
@@ -583,13 +599,17 @@ def _staged(path: Path, out):
                                f"{written}; nothing in {os.fspath(out)} was changed") from None
 
 # %% ../nbs/06_data.ipynb #e3f9c6ec
-def _check_args(tok, eot_id, seq: int, val_fraction: float) -> tuple[int, int, np.dtype]:
+def _check_args(tok, eot_id, seq: int, val_fraction: float, seed: int = 0) -> tuple[int, int, np.dtype]:
     "`(vocabulary size, end-of-text id, token dtype)` for `prepare_data`'s arguments, or an error naming the bad one."
     vocab = _vocab_size(tok)
     eot = tok.eos_token_id if eot_id is None else eot_id
-    if eot is None or not 0 <= eot < vocab: raise ValueError(f"eot_id={eot} is not a token of the tokenizer (vocabulary {vocab})")
+    if eot is None: raise ValueError("the tokenizer has no end-of-text token (its eos_token_id is None): give eot_id, "
+                                     "the token that goes between documents")
+    if not 0 <= eot < vocab: raise ValueError(f"eot_id={eot} is not a token of the tokenizer (vocabulary {vocab})")
     if seq < 1: raise ValueError(f"seq={seq}: must be at least 1")
     if not 0 <= val_fraction < 1: raise ValueError(f"val_fraction={val_fraction}: must be in [0, 1)")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed={seed!r}: must be an integer ≥ 0")
     return vocab, eot, np.dtype("<u2" if vocab <= 1 << 16 else "<u4")
 
 def _tokenize_into(path: Path, out, files, tok, eot: int, stats: dict, seq: int, dtype, vocab: int,
@@ -626,7 +646,7 @@ def prepare_data(sources, out, tokenizer, seq: int = 2048, *, val_fraction: floa
     Files in `out` and in the folders `exclude` are never sources."""
     if not os.fspath(out).strip(): raise ValueError("out is empty: give the folder the dataset is written to")
     tok = resolve_tokenizer(tokenizer)
-    vocab, eot, dtype = _check_args(tok, eot_id, seq, val_fraction)
+    vocab, eot, dtype = _check_args(tok, eot_id, seq, val_fraction, seed)
     check_bucket(os.fspath(out), **(storage_options or {}))   # before the tokenizing, not after it
     files = source_files(sources, storage_options, exclude=[out, *exclude])   # not an earlier output inside a source
     stats = {"n_files": 0, "n_documents": 0, "n_records": 0, "replaced_bytes": 0}

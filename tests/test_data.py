@@ -478,3 +478,50 @@ def test_a_full_disk_while_writing_the_header(tmp_path, monkeypatch):
     _assert_full_disk_error(e, out, "header.json")
     assert not list(tmp_path.glob(".meshtx-data-*"))
     assert TokenData.open(out).header == before.header
+
+
+def prefixing_tokenizer(text: str):
+    "A Llama-2/Mistral-style tokenizer (every text starts with '▁', spaces are '▁', no pre-tokenizer), trained on `text`."
+    import transformers
+    from tokenizers import Tokenizer, models, normalizers, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.train_from_iterator(text.splitlines(), trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"]))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("kind", ["prefixing", "gpt2"])
+def test_a_long_document_has_the_tokens_of_the_whole_for_any_tokenizer(kind, tmp_path, monkeypatch):
+    """A document longer than a part is tokenized in parts where the cut keeps the tokens (GPT-2's), and whole for a
+    tokenizer that starts every text with '▁' (each part had one more token at each cut)."""
+    import meshtx.data
+    monkeypatch.setattr(meshtx.data, "PART_CHARS", 500)
+    rng = np.random.RandomState(0)
+    words = [w for w in Path(__file__).read_text().split() if w.isalnum()]   # (no separator, no special token)
+    doc = "\n".join(" ".join(rng.choice(words, 12)) for _ in range(400))   # ~40 K characters: many parts of 500
+    tok = prefixing_tokenizer(doc) if kind == "prefixing" else gpt2_tokenizer()
+    (tmp_path / "book.txt").write_text(doc)
+    data = prepare_data(tmp_path / "book.txt", tmp_path / "out", tok, seq=63, progress=False)
+    whole = tok(doc, add_special_tokens=False, split_special_tokens=True)["input_ids"] + [tok.eos_token_id]   # "<s>" as text
+    got = data.windows(range(data.n())).reshape(-1)
+    npt.assert_array_equal(got, whole[:len(got)])
+
+
+def test_prepare_data_refuses_a_negative_seed_and_names_a_missing_end_token_before_tokenizing(tmp_path):
+    (tmp_path / "a.txt").write_text("some text " * 50)
+    with pytest.raises(ValueError, match="seed=-1: must be an integer"):
+        prepare_data(tmp_path / "a.txt", tmp_path / "out", "bytes", seq=8, val_fraction=0.2, seed=-1, progress=False)
+    tok = prefixing_tokenizer("some text")
+    tok.eos_token = None
+    with pytest.raises(ValueError, match="has no end-of-text token .* give eot_id"):
+        prepare_data(tmp_path / "a.txt", tmp_path / "out", tok, seq=8, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_file_named_twice_is_read_once(tmp_path):
+    "A folder and a glob inside it name the same files: each is read once (twice, it could be trained on and held out)."
+    (tmp_path / "d").mkdir()
+    for i in range(3): (tmp_path / "d" / f"{i}.txt").write_text(f"document {i} " * 40)
+    with pytest.warns(UserWarning, match="3 of the files .* named more than once: each is read once"):
+        data = prepare_data([tmp_path / "d", str(tmp_path / "d" / "*.txt")], tmp_path / "out", "bytes", seq=15, progress=False)
+    assert data.header["n_documents"] == 3
