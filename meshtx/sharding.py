@@ -384,6 +384,13 @@ def _backend_notes(backend: str, mode: str, mp: int, notes: list):
         notes.append(f"on a {backend.upper()} with mp={mp}: the blocks' backward holds replicated [tokens, d_model] "
                      f"buffers, counted as {share} (measured); fsdp uses less")
 
+# %% ../nbs/03_sharding.ipynb #8e13e369
+def _check_plan_args(**counts):
+    "Refuse any of `counts` (None: not given) that is not an integer of at least 1, naming it."
+    for name, v in counts.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+            raise ValueError(f"{name}={v!r} must be an integer of at least 1")
+
 # %% ../nbs/03_sharding.ipynb #73ddd41a
 def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batch: int = 1, seq: int | None = None,
          device: str | None = None, param_dtype=None, opt_dtype="float32", compute_dtype="bfloat16",
@@ -396,9 +403,13 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     if device is not None and device not in CHIPS: raise ValueError(f"unknown device {device!r}; known: {sorted(CHIPS)}")
     notes = []
     backend = backend or (None if device is None else "tpu" if device.startswith("tpu") else "gpu") or jax.default_backend()
-    seq = seq or config.n_ctx
+    seq = config.n_ctx if seq is None else seq
+    _check_plan_args(batch=batch, seq=seq, lora_rank=lora_rank, prompt=prompt, dp=dp, fsdp=fsdp, mp=mp,
+                     mesh_or_devices=None if isinstance(mesh_or_devices, Mesh) else mesh_or_devices)
+    for name, dtype in dict(param_dtype=param_dtype, opt_dtype=opt_dtype, compute_dtype=compute_dtype).items():
+        if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+            raise ValueError(f"{name}={dtype!r} is not a floating-point dtype")
     if seq > config.n_ctx: raise ValueError(f"seq={seq} is longer than the model's context n_ctx={config.n_ctx}")
-    if batch < 1 or seq < 1: raise ValueError(f"batch={batch} and seq={seq} must be at least 1")
     if prompt is not None and mode != "infer": raise ValueError(f"prompt={prompt!r} is only with mode='infer' (generation), not {mode!r}")
     if prompt is not None and not 1 <= prompt <= seq: raise ValueError(f"prompt={prompt!r} must be from 1 to seq={seq} tokens")
     if isinstance(mesh_or_devices, Mesh):
