@@ -207,7 +207,8 @@ class Checkpointer:
     def __init__(self, directory, keep: int | None = 3, keep_every: int | None = None, storage_options=None):
         check_keep(keep, keep_every)
         self.directory, self.keep, self.keep_every = str(directory), keep, keep_every
-        self.fs, self.root = filesystem(directory, **(storage_options or {}))
+        self.storage_options = storage_options or {}
+        self.fs, self.root = filesystem(directory, **self.storage_options)
         self.local = is_local(self.fs)
 
     def __repr__(self): return f"Checkpointer({self.directory!r}, keep={self.keep}, keep_every={self.keep_every})"
@@ -308,7 +309,7 @@ def save(self: Checkpointer, step: int, tree, metadata: dict | None = None) -> s
     except (TypeError, ValueError) as e: raise ValueError(f"metadata must be JSON-serialisable: {e}") from None
     pid, nproc = jax.process_index(), jax.process_count()
     tensors, pieces = _plan(_flatten(tree)[0], pid, self.file_bytes)
-    if not self.local: check_bucket(self.directory)   # a missing bucket, named (gcsfs would report an upload URL)
+    if not self.local: check_bucket(self.directory, **self.storage_options)   # a missing bucket, named (gcsfs would report an upload URL)
     if step in (steps := self.steps()):
         raise ValueError(f"checkpoint step {step} already exists in {self.directory}; it is never overwritten")
     if step not in self._kept(sorted(steps + [step])):   # an older step than the ones there: pruned at once

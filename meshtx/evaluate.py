@@ -132,7 +132,7 @@ def _load_lm(pretrained, preset, dtype, seed, dp, fsdp, mp, revision) -> LM:
 class MeshtxLM(TemplateLM):
     "An lm-evaluation-harness model (`--model meshtx`) that runs a meshtx `LM`."
     def __init__(self, pretrained=None, preset=None, dtype=None, batch_size=8, max_length=None, max_gen_toks=256,
-                 seed=0, dp=None, fsdp=None, mp=None, revision=None, **kwargs):
+                 seed=0, dp=None, fsdp=None, mp=None, revision=None, prefix_token_id=None, **kwargs):
         super().__init__()
         unknown = set(kwargs) - _IGNORED   # a ValueError: `meshtx eval` reports it in one line, not a traceback
         if unknown: raise ValueError(f"unknown meshtx model arguments: {', '.join(sorted(unknown))}")
@@ -142,6 +142,7 @@ class MeshtxLM(TemplateLM):
         if lm.tokenizer is None: raise ValueError("lm-eval sends text: this LM has no tokenizer")
         self.lm, self.tokenizer = lm, lm.tokenizer
         self._batch_size, self._max_gen_toks, self._seed = int(batch_size), int(max_gen_toks), int(seed)
+        self._prefix_token_id = None if prefix_token_id is None else int(prefix_token_id)
         self._max_length = int(lm.config.n_ctx if max_length is None else max_length)
         if not 1 <= self._max_length <= lm.config.n_ctx:
             raise ValueError(f"max_length={self._max_length} must be between 1 and the model's context n_ctx={lm.config.n_ctx}")
@@ -149,8 +150,11 @@ class MeshtxLM(TemplateLM):
     @property
     def eot_token_id(self) -> int: return self.tokenizer.eos_token_id
     def tok_encode(self, string: str, add_special_tokens=None, left_truncate_len=None, **kwargs) -> list[int]:
-        "Token ids of `string`, with the tokenizer's own special tokens (none for GPT-2's), as HFLM encodes."
+        "Token ids of `string`, with the tokenizer's own special tokens (none for GPT-2's) unless it starts with the prefix token's text, as HFLM encodes."
         special = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        prefix = self.tokenizer.decode([self.prefix_token_id])
+        if add_special_tokens is None and prefix and string.startswith(prefix):
+            special = {"add_special_tokens": False}   # `<s>Hello` (a chat template's) gets no second `<s>`
         ids = self.tokenizer.encode(string, **special)
         return ids[-left_truncate_len:] if left_truncate_len else ids
 
@@ -165,9 +169,11 @@ class MeshtxLM(TemplateLM):
 # %% ../nbs/09_evaluate.ipynb #1ff45276
 @patch(as_prop=True)
 def prefix_token_id(self: MeshtxLM) -> int:
-    "Conditions an empty context: BOS if the tokenizer has one, else EOS (`<|endoftext|>` for GPT-2's)."
-    bos = getattr(self.tokenizer, "bos_token_id", None)
-    return bos if bos is not None else self.lm.document_start
+    """Conditions an empty context, as in HFLM: the `prefix_token_id` asked for, else the tokenizer's BOS, else its EOS
+    (`<|endoftext|>` for GPT-2's; `<|im_end|>` for Qwen2.5-Instruct's, which has no BOS)."""
+    for t in (self._prefix_token_id, getattr(self.tokenizer, "bos_token_id", None), self.tokenizer.eos_token_id):
+        if t is not None: return t
+    return self.lm.document_start
 
 @patch(as_prop=True)
 def max_length(self: MeshtxLM) -> int: return self._max_length
@@ -193,6 +199,22 @@ def get_model_info(self: MeshtxLM) -> dict:
     c = self.lm.config
     return {"model_num_parameters": c.n_params, "model_dtype": c.param_dtype, "model_revision": "",
             "model_sha": ""}
+
+# %% ../nbs/09_evaluate.ipynb #eaf0430f
+@patch
+def apply_chat_template(self: MeshtxLM, chat_history: list[dict[str, str]], add_generation_prompt=True) -> str:
+    "The prompt that the tokenizer's chat template makes of `chat_history`, as HFLM renders it."
+    if not getattr(self.tokenizer, "chat_template", None):
+        raise ValueError(f"--apply_chat_template: the tokenizer of this model ({self.tokenizer_name or type(self.tokenizer).__name__}) "
+                         "has no chat template")
+    from jinja2.exceptions import TemplateError
+    render = lambda chat: self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                             continue_final_message=not add_generation_prompt)
+    try: return render(chat_history)
+    except TemplateError:
+        _log.warning("the chat template failed: applying it again without the system message")
+        return render([m for m in chat_history if m["role"] != "system"])
+
 
 # %% ../nbs/09_evaluate.ipynb #745e32e5
 def _loglikelihood_tokens(self: MeshtxLM, requests, disable_tqdm=False) -> list[tuple[float, bool]]:
@@ -227,6 +249,7 @@ _PASSED = ("top_k", "top_p", "repetition_penalty")
 
 def _generate_batch(self: MeshtxLM, contexts, gen_kwargs, first_seed) -> list[str]:
     from lm_eval.models.utils import normalize_gen_kwargs, handle_stop_sequences, postprocess_generated_text
+    from meshtx.sampling import MAX_STOPS
     kw = dict(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks))
     eos = self.tokenizer.decode([self.eot_token_id])
     until = handle_stop_sequences(kw.pop("until", None), eos=eos)
@@ -241,10 +264,11 @@ def _generate_batch(self: MeshtxLM, contexts, gen_kwargs, first_seed) -> list[st
     room = self.max_length - max_gen
     if room < 1: raise ValueError(f"max_gen_toks={max_gen} leaves no room for a context in max_length={self.max_length}")
     prompts = [self.tok_encode(c)[-room:] or [self.prefix_token_id] for c in contexts]
-    stop = [s for s in until if s and s != eos] or None
+    stop = [s for s in until if s and s != eos][:MAX_STOPS] or None   # the generation stops at these; all cut the text
     g = self.lm.generate(prompts, max_new_tokens=max_gen, temperature=temperature, stop=stop,
                          seed=[(first_seed + i) % 2**32 for i in range(len(prompts))], **opts)
-    return [postprocess_generated_text(t, until, None) for t in g.texts]
+    texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in g.tokens]   # as HFLM: no `<unk>` or `</s>`
+    return [postprocess_generated_text(t, until, None) for t in texts]
 
 # %% ../nbs/09_evaluate.ipynb #29e9bde3
 def _generate_until(self: MeshtxLM, requests, disable_tqdm=False) -> list[str]:

@@ -15,12 +15,13 @@ from .config import ModelConfig, LoRAConfig, family_name, _generation_dict
 from .model import gptj, init_params, no_hint, param_shapes, split_layers, BLOCKS
 from .weights import (load_hf_params, load_params, is_meshtx_checkpoint, checkpoint_files, MESHTX_CONFIG, from_old_layout,
                             SAVE_FILES, write_hf, write_params)
-from .storage import is_remote, fetch_dir, save_remote, replace_dir, recover_dir, write_file
+from .storage import is_remote, fetch_dir, save_remote, replace_dir, recover_dir, write_file, named_as_remote
 from .tokenizer import gpt2_tokenizer, load_tokenizer, has_tokenizer, EOT, TOKENIZER_FILES
 from .sharding import param_shardings, shard_params, activation_hint, batch_sharding
 
 # %% auto #0
-__all__ = ['OLD_QKV', 'resolve_checkpoint', 'disable_compilation_cache', 'enable_compilation_cache', 'LM', 'layer_views']
+__all__ = ['KEPT_MARKER', 'OLD_QKV', 'resolve_checkpoint', 'disable_compilation_cache', 'enable_compilation_cache', 'LM',
+           'layer_views']
 
 # %% ../nbs/04_lm.ipynb #de8ab472
 _COMMON = ["*.json", "*.txt", "*.model"]
@@ -138,9 +139,10 @@ def from_hf(cls: LM, path_or_repo_id, dtype="bfloat16", compute_dtype=None, revi
     """Load a Hugging Face checkpoint (a directory or hub id) of GPT-J, Llama, Mistral, Qwen2 or GPT-NeoX into `dtype`
     parameters, one tensor at a time (sharded on `mesh`)."""
     path = resolve_checkpoint(path_or_repo_id, revision, progress)
-    config = _with_dtype(ModelConfig.from_hf(path, **config_overrides), dtype, compute_dtype)
-    params = load_hf_params(path, config, param_shardings(config, mesh) if mesh is not None else None, progress=progress)
-    if tokenizer == "auto": tokenizer = load_tokenizer(path) if has_tokenizer(path) else _default_tokenizer(config)
+    with named_as_remote(path, path_or_repo_id):   # (a gs:// checkpoint's errors name it, not its cached copy)
+        config = _with_dtype(ModelConfig.from_hf(path, **config_overrides), dtype, compute_dtype)
+        params = load_hf_params(path, config, param_shardings(config, mesh) if mesh is not None else None, progress=progress)
+        if tokenizer == "auto": tokenizer = load_tokenizer(path) if has_tokenizer(path) else _default_tokenizer(config)
     return cls(config, params, tokenizer, mesh, generation_config=_generation_dict(path) or None)
 
 # %% ../nbs/04_lm.ipynb #39b2f820
@@ -150,7 +152,9 @@ def load(cls: LM, path, dtype=None, compute_dtype=None, mesh=None, progress=True
     folder holding them: its latest step), or a Hugging Face directory/hub id (any of them may be a `gs://` URL)."""
     if not is_remote(path): recover_dir(Path(path))   # a save interrupted mid-swap is put back first
     if (found := _training_checkpoint(path)) is not None: return cls._from_training(*found, dtype, compute_dtype, mesh)
-    if is_remote(path): path = fetch_dir(path, progress=progress)
+    if is_remote(path):   # its cached copy, whose errors name `path`
+        with named_as_remote(local := fetch_dir(path, progress=progress), path):
+            return cls.load(local, dtype, compute_dtype, mesh, progress)
     if is_meshtx_checkpoint(path):
         config, params = load_params(path)
         config = _with_dtype(config, dtype, compute_dtype)
@@ -194,10 +198,13 @@ def _from_training(cls: LM, ck, step, dtype=None, compute_dtype=None, mesh=None)
     return cls(config, params, tokenizer or _default_tokenizer(config), mesh, generation_config=generation)
 
 # %% ../nbs/04_lm.ipynb #da2d56f0
+KEPT_MARKER = "complete.json"   # the last file a Trainer writes into the `tokenizer/` beside its checkpoints
+
 def _kept_beside(ck):
-    "The tokenizer and generation_config.json a `Trainer` kept beside its checkpoints (`tokenizer/`), or Nones."
+    """The tokenizer and generation_config.json a `Trainer` kept beside its checkpoints (`tokenizer/`), or Nones. A
+    remote folder without its marker is an upload cut short: none (a local one is replaced whole, or not at all)."""
     url = f"{ck.directory.rstrip('/')}/tokenizer"
-    if not ck.fs.exists(url if is_remote(url) else Path(url)): return None, None
+    if not ck.fs.exists(f"{url}/{KEPT_MARKER}" if is_remote(url) else Path(url)): return None, None
     path = fetch_dir(url, progress=False) if is_remote(url) else Path(url)
     return (load_tokenizer(path) if has_tokenizer(path) else None), _generation_dict(path) or None
 

@@ -240,14 +240,19 @@ def _val_sets(cfg, train_data: TokenData, model_dir: str, tok, seq: int, batch: 
     return vals
 
 # %% ../nbs/08b_runs.ipynb #02eed7c4
+def _clear_remote_model(model_dir: str):
+    """Remove a run's earlier `model` and `adapters` from remote `model_dir`: remote saves go to empty folders (and if
+    the save that follows is cut short, the next call writes it again)."""
+    if not (is_remote(model_dir) and is_main_process()): return
+    for name in ("model", "adapters"):
+        fs, p = filesystem(f"{model_dir}/{name}")
+        if fs.exists(p): fs.rm(p, recursive=True)
+
 def _leave_model(lm: LM, model_dir: str, trained: bool, lora, log):
     "Write `model_dir/model` (and `adapters`) unless this call trained nothing and a complete one is there."
     fs, p = filesystem(f"{model_dir}/model")
     if trained or not fs.exists(f"{p}/config.json"):   # the model other commands read (sample, serve, eval, convert)
-        if is_remote(model_dir) and is_main_process():   # remote saves go to empty folders: this run's earlier model goes
-            for name in ("model", "adapters"):           # (if the save is cut short, the next call writes it again)
-                rfs, rp = filesystem(f"{model_dir}/{name}")
-                if rfs.exists(rp): rfs.rm(rp, recursive=True)
+        _clear_remote_model(model_dir)
         _save_model(lm, f"{model_dir}/model", f"{model_dir}/adapters")
         if is_main_process(): log(json.dumps({"model": f"{model_dir}/model", **({"adapters": f"{model_dir}/adapters"} if lora else {})}))
 
@@ -360,6 +365,7 @@ def finetune(model, data, out, *, lora: LoRAConfig | int | None = None, steps: i
     if after is not None: log(f"held-out loss after {steps} steps: {after:.4f}")
     if Checkpointer(child("checkpoints")).latest() != len(t.history): t.save()   # unless save_every just saved it
     plt.close(t.plot(child("loss.png")))   # saved, and not left open
+    _clear_remote_model(str(out))   # (what a save cut short left, when this is the same call again)
     _save_model(lm, child("model"), child("adapters"))
     log(f"fine-tuned model: {child('model')}" + (f"   adapters: {child('adapters')}" if lora else ""))
     return {"val_loss_before": before, "val_loss_after": after, "steps": steps, "model": str(child("model")),

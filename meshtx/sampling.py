@@ -484,9 +484,10 @@ def _shown(text, stop_strings, final: bool) -> str:
 # %% ../nbs/05_sampling.ipynb #4fea86a6
 class Stream:
     """What `generate(stream=True)` returns: an iterator of `(row, new text)` pieces, `chunk` decode steps per device
-    call. Once it is exhausted, `finish_reasons`, `tokens` and `top_logprobs` hold each row's, as in `Generation`."""
+    call. Once it is exhausted, `finish_reasons`, `tokens` and `top_logprobs` hold each row's, as in `Generation`;
+    while it runs, `lengths` holds how many tokens each row has made so far (as of the last device call)."""
     def __init__(self, lm: LM, run, state, B, eos, stops, stop_strings, chunk, k=None):
-        self.finish_reasons = self.tokens = self.top_logprobs = None
+        self.finish_reasons = self.tokens = self.top_logprobs = self.lengths = None
         self._pieces = self._produce(lm, run, state, B, eos, stops, stop_strings, chunk, k)
     def __iter__(self): return self
     def __next__(self): return next(self._pieces)
@@ -496,6 +497,7 @@ class Stream:
         sent = [""] * B
         for state in _chunks(lm, run, state, B, eos, stop_strings, chunk):
             out, length, done = (_host(x) for x in (state.out, state.length, state.done))
+            self.lengths = length[:B].tolist()
             for i in range(B):
                 text = _shown(token_text(lm, out[i, :length[i]].tolist(), eos), stop_strings, done[i])
                 if len(text) > len(sent[i]) and text.startswith(sent[i]):

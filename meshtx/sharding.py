@@ -318,12 +318,8 @@ def _working_bytes(config: ModelConfig, shapes: dict, axes: dict, mode: str, bat
         else:   # XLA:CPU (measured): a chunk's logits and exponentials, and, training the head, the logits' gradient,
             loss = (3 if mode == "train" else 2) * chunk + head   # beside the blocks' backward (a frozen head's logit
             late = layer + loss                                   # gradient reuses a buffer)
-        # without remat, XLA:CPU keeps every block's values as it computed them, in float32 (measured at GPT-J's width,
-        # LoRA, seq 512 and 1024: 0.96-1.0 of XLA's bytes per block; counted at `c` bytes it was 0.55-0.63)
-        w["activations_no_remat"] = int(L * (kept(4) if backend == "cpu" else layer) + loss)
-        if mode == "lora" and param_dtype is not None and _nbytes(param_dtype) > c:   # frozen weights wider than the compute:
-            # without remat, every block's converted weights are kept for the backward, in float32 on a TPU (measured,
-            # GPT-J's width: 1.0 of XLA's bytes per block) and as computed on a CPU (0.95); a GPU's are counted as a CPU's
+        w["activations_no_remat"] = int(L * (kept(4) if backend == "cpu" else layer) + loss)   # (XLA:CPU's: float32)
+        if mode == "lora" and param_dtype is not None and _nbytes(param_dtype) > c:   # and frozen weights' converted copies
             w["activations_no_remat"] += int(L * block * (4 if backend == "tpu" else c))
         w["activations"] = int(L * tok * c * D + late)
     return w
@@ -385,11 +381,14 @@ def _backend_notes(backend: str, mode: str, mp: int, notes: list):
                      f"buffers, counted as {share} (measured); fsdp uses less")
 
 # %% ../nbs/03_sharding.ipynb #8e13e369
-def _check_plan_args(**counts):
-    "Refuse any of `counts` (None: not given) that is not an integer of at least 1, naming it."
+def _check_plan_args(dtypes: dict, **counts):
+    "Refuse any of `counts` (None: not given) that is not an integer of at least 1, or of `dtypes` not a float, naming it."
     for name, v in counts.items():
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
             raise ValueError(f"{name}={v!r} must be an integer of at least 1")
+    for name, dtype in dtypes.items():
+        if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+            raise ValueError(f"{name}={dtype!r} is not a floating-point dtype")
 
 # %% ../nbs/03_sharding.ipynb #73ddd41a
 def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batch: int = 1, seq: int | None = None,
@@ -404,11 +403,9 @@ def plan(config: ModelConfig | str, mesh_or_devices=1, mode: str = "infer", batc
     notes = []
     backend = backend or (None if device is None else "tpu" if device.startswith("tpu") else "gpu") or jax.default_backend()
     seq = config.n_ctx if seq is None else seq
-    _check_plan_args(batch=batch, seq=seq, lora_rank=lora_rank, prompt=prompt, dp=dp, fsdp=fsdp, mp=mp,
+    _check_plan_args(dict(param_dtype=param_dtype, opt_dtype=opt_dtype, compute_dtype=compute_dtype), batch=batch,
+                     seq=seq, lora_rank=lora_rank, prompt=prompt, dp=dp, fsdp=fsdp, mp=mp,
                      mesh_or_devices=None if isinstance(mesh_or_devices, Mesh) else mesh_or_devices)
-    for name, dtype in dict(param_dtype=param_dtype, opt_dtype=opt_dtype, compute_dtype=compute_dtype).items():
-        if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
-            raise ValueError(f"{name}={dtype!r} is not a floating-point dtype")
     if seq > config.n_ctx: raise ValueError(f"seq={seq} is longer than the model's context n_ctx={config.n_ctx}")
     if prompt is not None and mode != "infer": raise ValueError(f"prompt={prompt!r} is only with mode='infer' (generation), not {mode!r}")
     if prompt is not None and not 1 <= prompt <= seq: raise ValueError(f"prompt={prompt!r} must be from 1 to seq={seq} tokens")

@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/storage.html.md"""
 
 # %% ../nbs/00a_storage.ipynb #8db074b4
 from __future__ import annotations
-import errno, glob, json, os, posixpath, re, shutil, tempfile, uuid, warnings
+import contextlib, errno, glob, json, os, posixpath, re, shutil, tempfile, uuid, warnings
 from pathlib import Path
 import numpy as np
 import fsspec
@@ -15,7 +15,7 @@ from fsspec.implementations.local import LocalFileSystem
 # %% auto #0
 __all__ = ['JSON_LIMIT', 'filesystem', 'is_local', 'is_remote', 'url_of', 'check_bucket', 'shorten', 'read_json', 'fsync',
            'write_atomic', 'umask', 'write_file', 'recover_dir', 'replace_dir', 'file_version', 'fetch_dir',
-           'check_upload_target', 'upload_dir', 'save_remote', 'pread_into', 'drop_cached']
+           'named_as_remote', 'check_upload_target', 'upload_dir', 'save_remote', 'pread_into', 'drop_cached']
 
 # %% ../nbs/00a_storage.ipynb #15dcc5de
 def filesystem(url_or_path, **storage_options) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -263,13 +263,26 @@ def fetch_dir(url, cache_dir=None, progress=True) -> Path:
     write_atomic(versions_file, json.dumps({k: v for k, v in versions.items() if k in names}))
     return local
 
+# %% ../nbs/00a_storage.ipynb #3bd35a81
+@contextlib.contextmanager
+def named_as_remote(local, url):
+    "Errors raised inside that name the local copy `local` of remote folder `url` name `url` instead (same type)."
+    try: yield
+    except (OSError, ValueError) as e:
+        text, here = str(e), str(local).rstrip("/")
+        if not is_remote(url) or here not in text: raise
+        try: renamed = type(e)(text.replace(here, str(url).rstrip("/")))
+        except Exception: raise e from None   # an error type that cannot be made from a message: as it was
+        raise renamed from e
+
 # %% ../nbs/00a_storage.ipynb #544a7b19
 def check_upload_target(url):
     "Raise unless remote folder `url` can take a new save: its bucket exists and nothing is there yet."
     check_bucket(url)
     fs, root = filesystem(url)
     fs.invalidate_cache(root)
-    try: there = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+    # (the folder's own placeholder object, which the Cloud Console's "Create folder" writes, is no earlier save)
+    try: there = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if p.rstrip("/") != root.rstrip("/"))
     except FileNotFoundError: there = []
     if there:   # an earlier save, another kind of save, or what an interrupted one left: never mixed with this one
         raise FileExistsError(f"{url} is not empty ({', '.join(there[:5])}{', ...' if len(there) > 5 else ''}): a save to "

@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/train.html.md"""
 
 # %% ../nbs/08_train.ipynb #972b09b9
 from __future__ import annotations
-import contextlib, dataclasses, math, numbers, signal, tempfile, threading, time
+import contextlib, dataclasses, json, math, numbers, signal, tempfile, threading, time
 from functools import partial
 from pathlib import Path
 import numpy as np
@@ -406,14 +406,19 @@ def _keep_tokenizer(tokenizer, ck, generation_config=None):
     or not at all), so that `LM.load` of a step has them back (a byte-level or Llama tokenizer is no default one can
     guess; a chat model's end tokens and sampling defaults are in its generation_config.json)."""
     from meshtx.storage import filesystem, is_remote, replace_dir, upload_dir
-    from meshtx.lm import _save_tokenizer
+    from meshtx.lm import _save_tokenizer, KEPT_MARKER
     url = f"{ck.directory.rstrip('/')}/tokenizer"
-    fs, path = filesystem(url)
-    if (tokenizer is None and not generation_config) or jax.process_index() != 0 or fs.exists(path): return
-    if not is_remote(url): return replace_dir(path, lambda d: _save_tokenizer(tokenizer, d, generation_config))
+    fs, path = filesystem(url, **ck.storage_options)
+    if (tokenizer is None and not generation_config) or jax.process_index() != 0: return
+    if fs.exists(f"{path}/{KEPT_MARKER}") or (not is_remote(url) and fs.exists(path)): return   # kept already
+    def fill(d):
+        _save_tokenizer(tokenizer, d, generation_config)
+        (d / KEPT_MARKER).write_text(json.dumps({"files": sorted(p.name for p in d.iterdir())}))
+    if not is_remote(url): return replace_dir(path, fill)
+    if fs.exists(path): fs.rm(path, recursive=True)   # what an upload cut short left
     with tempfile.TemporaryDirectory(prefix="meshtx-tokenizer-") as d:
-        _save_tokenizer(tokenizer, Path(d), generation_config)
-        upload_dir(d, url, marker=sorted(p.name for p in Path(d).iterdir())[0])
+        fill(Path(d))
+        upload_dir(d, url, marker=KEPT_MARKER)
 
 # %% ../nbs/08_train.ipynb #c9994706
 def _check_restorable(ck, step: int, lora: bool) -> dict:

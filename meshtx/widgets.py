@@ -6,13 +6,13 @@ Docs: https://meshtx.github.io/meshtx/widgets.html.md"""
 
 # %% ../nbs/11_widgets.ipynb #a45f2827
 from __future__ import annotations
-import html, io, secrets, threading, time, weakref
+import html, io, math, numbers, secrets, threading, time
 from pathlib import Path
 import ipywidgets as W
 from fastcore.basics import patch
 from .lm import LM
 from .train import Trainer
-from .lora import split_adapters
+from .lora import LoRAConfig, split_adapters
 from .runs import default_lr
 from .sampling import check_option, escape_stop, unescape_stop
 
@@ -65,10 +65,17 @@ def sampler_kwargs(options: dict) -> dict:
                 top_k=int(o["top_k"]) or None, seed=o["seed"], repetition_penalty=None if penalty == 1.0 else penalty,
                 stop=[s for s in stop or [] if s] or None)
 
-# %% ../nbs/11_widgets.ipynb #97bff88e
+# %% ../nbs/11_widgets.ipynb #5b1c0e7a
 COMPILING = "compiling the model (first run only, ~10 s)…"
-_compiled_models = weakref.WeakSet()   # models that have generated here: their next generation does not compile
 
+def _has_generated(lm: LM) -> bool:
+    "Whether `lm` has generated here with the programs it has now (not since `LM.__init__`, or other adapters)."
+    return lm.compiled.get(__name__) == (lm.config, lm.mesh, lm.lora)
+
+def _generated(lm: LM):
+    lm.compiled[__name__] = (lm.config, lm.mesh, lm.lora)
+
+# %% ../nbs/11_widgets.ipynb #97bff88e
 class SamplerController:
     "Streaming generation in a background thread: `generate(prompt)`, `stop()`, and the state a view shows."
     def __init__(self, lm: LM, on_update=None, **options):
@@ -77,23 +84,23 @@ class SamplerController:
         sampler_kwargs(self.options)   # unknown or bad options fail here
         self.seed = None               # the seed the last generation used
         self.prompt = self.text = self.activity = ""
-        self.error, self.running, self.n_tokens = None, False, 0
-        self.time_to_first_token = self.tokens_per_s = None
+        self.error, self.running = None, False
+        self.n_tokens = self.time_to_first_token = self.tokens_per_s = self._first = None   # None: not known (yet)
         self._stop, self._thread = threading.Event(), None
 
     def generate(self, prompt: str, **options) -> threading.Thread | None:
         """Start generating a continuation of `prompt` (options override the current ones); returns the thread, or None
-        with `error` set when an option is bad (the current ones are then kept)."""
+        with `error` set when an option is bad (the current options, and the last generation's text and figures, stay)."""
         if self.running: raise RuntimeError("already generating: stop first")
-        self.text, self.error, self.n_tokens, self.activity = "", None, 0, ""
         try: sampler_kwargs({**self.options, **options})
         except ValueError as e:
             self.error = _message(e); self.on_update(self)
             return None
         self.options.update(options)
         self.seed = secrets.randbits(32) if self.options["seed"] is None else int(self.options["seed"])
-        self.prompt, self.time_to_first_token, self.tokens_per_s = prompt, None, None
-        self.activity = "generating…" if self.lm in _compiled_models else COMPILING
+        self.prompt, self.text, self.error = prompt, "", None
+        self.n_tokens = self.time_to_first_token = self.tokens_per_s = self._first = None
+        self.activity = "generating…" if _has_generated(self.lm) else COMPILING
         self._stop.clear()
         self.running = True
         self._thread = threading.Thread(target=self._run, args=(prompt,), daemon=True)
@@ -109,25 +116,38 @@ class SamplerController:
         if self._thread is not None: self._thread.join(timeout)
         return not self.running
 
+# %% ../nbs/11_widgets.ipynb #6c2d9e01
+def _tokens_so_far(stream) -> int | None:
+    "How many tokens a `Stream`'s first row holds: its `tokens` once exhausted, else as its last device call left them."
+    if stream.tokens is not None: return len(stream.tokens[0])
+    return None if stream.lengths is None else stream.lengths[0]
+
+@patch
+def _count(self: SamplerController, stream, now: float):
+    "Record the tokens so far and, past the first piece's, their rate."
+    self.n_tokens = _tokens_so_far(stream)
+    if self.n_tokens is None: return
+    if self._first is None: self._first = (now, self.n_tokens)
+    t1, n1 = self._first
+    if now > t1 and self.n_tokens > n1: self.tokens_per_s = (self.n_tokens - n1) / (now - t1)
+
 # %% ../nbs/11_widgets.ipynb #d52b348a
 @patch
 def _run(self: SamplerController, prompt):
     t0 = time.perf_counter()
     self.on_update(self)
     try:
-        for _, piece in self.lm.generate(prompt, stream=True, truncate="left", **sampler_kwargs({**self.options, "seed": self.seed})):
+        stream = self.lm.generate(prompt, stream=True, truncate="left", **sampler_kwargs({**self.options, "seed": self.seed}))
+        for _, piece in stream:
             now = time.perf_counter()
-            if self.time_to_first_token is None: self.time_to_first_token = now - t0; _compiled_models.add(self.lm)
+            if self.time_to_first_token is None: self.time_to_first_token = now - t0; _generated(self.lm)
             self.text += piece
-            # the stream yields text; its token count is the re-encoded text's, capped at what was asked for
-            limit = int(self.options["max_new_tokens"])
-            self.n_tokens = min(limit, len(self.lm.tokenizer.encode(self.text)) if self.lm.tokenizer is not None else self.n_tokens + 1)
-            if now - t0 > self.time_to_first_token:
-                self.tokens_per_s = self.n_tokens / (now - t0 - self.time_to_first_token + 1e-9)
-            self.activity = f"generating… {self.n_tokens} tokens"
+            self._count(stream, now)
+            self.activity = "generating…" if self.n_tokens is None else f"generating… {self.n_tokens} tokens"
             self.on_update(self)
             if self._stop.is_set(): break
-        _compiled_models.add(self.lm)
+        if stream.tokens is not None: self._count(stream, time.perf_counter())   # ran to its end: the exact count
+        _generated(self.lm)
         self.activity = f"{'stopped after' if self._stop.is_set() else 'done in'} {time.perf_counter() - t0:.1f} s"
     except Exception as e:   # shown in the widget, in words
         self.error, self.activity = _message(e), ""
@@ -137,10 +157,11 @@ def _run(self: SamplerController, prompt):
 
 @patch(as_prop=True)
 def stats(self: SamplerController) -> str:
-    "Time to first token and tokens per second, as one line."
-    if self.time_to_first_token is None: return ""
-    rate = f" · {self.tokens_per_s:.1f} tokens/s" if self.tokens_per_s else ""
-    return f"time to first token {self.time_to_first_token * 1000:.0f} ms · {self.n_tokens} tokens{rate}"
+    "Time to the first token, the tokens generated (an end-of-text token too), and the rate of those after the first piece."
+    parts = [f"time to first token {self.time_to_first_token * 1000:.0f} ms"] if self.time_to_first_token is not None else []
+    if self.n_tokens is not None: parts.append(f"{self.n_tokens} tokens")
+    if self.tokens_per_s: parts.append(f"{self.tokens_per_s:.1f} tokens/s after the first {self._first[1]}")
+    return " · ".join(parts)
 
 # %% ../nbs/11_widgets.ipynb #9a59d94d
 _BOX = ("white-space:pre-wrap;word-break:break-word;margin:0;padding:6px 8px;box-sizing:border-box;min-height:8em;"
@@ -168,25 +189,51 @@ def _row(*children, **layout) -> W.HBox:
     "An HBox that wraps onto more lines where the page is narrow, its children centred vertically (unless `layout` says)."
     return W.HBox(list(children), layout=W.Layout(**{"flex_flow": "row wrap", "align_items": "center", **layout}))
 
+# %% ../nbs/11_widgets.ipynb #7d3e4f01
+def _option_ranges(lm: LM, o: dict) -> dict:
+    "The controls' `(min, max)` for the options `o`, wide enough to hold each; a `max_new_tokens` with no room for a prompt fails."
+    n, n_ctx = int(o["max_new_tokens"]), lm.config.n_ctx
+    if n >= n_ctx: raise ValueError(f"max_new_tokens={n} leaves no room for a prompt in n_ctx={n_ctx}: at most {n_ctx - 1}")
+    t, p, k = float(o["temperature"]), float(o["repetition_penalty"]), int(o["top_k"])
+    return dict(temperature=(0, max(2.0, t)), repetition_penalty=(min(1.0, p), max(2.0, p)),
+                top_k=(0, max(lm.config.n_vocab, k)), max_new_tokens=(1, n_ctx - 1))
+
+# %% ../nbs/11_widgets.ipynb #7d3e4f04
+def _stops_text(stops) -> str:
+    "Stop strings as the 'stop at' box shows them: each `escape_stop`'d, a bar in it written `\\|`, `|` between them."
+    return "|".join(escape_stop(s).replace("|", "\\|") for s in stops)
+
+def _stops_from_text(text: str) -> list[str]:
+    "The stop strings typed in the 'stop at' box: split at each `|` not written `\\|`, `unescape_stop`'d, empty ones dropped."
+    parts, cur, i = [], "", 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text):   # an escape, kept whole: `\|` is a bar, the rest are `unescape_stop`'s
+            cur += "|" if text[i + 1] == "|" else text[i:i + 2]; i += 2
+        elif text[i] == "|": parts.append(cur); cur = ""; i += 1
+        else: cur += text[i]; i += 1
+    return [unescape_stop(s) for s in parts + [cur] if s]
+
 # %% ../nbs/11_widgets.ipynb #54e1e006
 class SamplerWidget(W.VBox):
     "Interactive, streaming generation from `lm`: prompt, options, Generate / Stop, output and timings."
     def __init__(self, lm: LM, prompt: str = "", **options):
         self.controller = c = SamplerController(lm, self._refresh, **options)
-        o, L, R = c.options, "10.5em", "9.5em"
+        o, L, R, r = c.options, "10.5em", "9.5em", _option_ranges(lm, c.options)
         self.prompt = _tag(W.Textarea(value=prompt, placeholder="Type a prompt…", layout=W.Layout(width="auto", height="6em")), "prompt")
-        self.temperature = _tag(_labelled(W.FloatSlider(value=o["temperature"], min=0, max=2, step=0.05, description="temperature"), L, "27em"), "temperature")
-        self.top_p = _tag(_labelled(W.FloatSlider(value=o["top_p"], min=0, max=1, step=0.01, description="top-p"), L, "27em"), "top-p")
-        self.repetition_penalty = _tag(_labelled(W.FloatSlider(value=o["repetition_penalty"], min=1, max=2, step=0.05,
-                                                               description="repetition penalty"), L, "27em"), "repetition-penalty")
-        self.top_k = _tag(_labelled(W.BoundedIntText(value=o["top_k"], min=0, max=lm.config.n_vocab, description="top-k"), R, "19em"), "top-k")
-        self.max_tokens = _tag(_labelled(W.BoundedIntText(value=o["max_new_tokens"], min=1, max=lm.config.n_ctx - 1,
+        slider = lambda name, label, value, bounds, step: _tag(_labelled(W.FloatSlider(
+            value=value, min=bounds[0], max=bounds[1], step=step, description=label), L, "27em"), name)
+        self.temperature = slider("temperature", "temperature", o["temperature"], r["temperature"], 0.05)
+        self.top_p = slider("top-p", "top-p", o["top_p"], (0, 1), 0.01)
+        self.repetition_penalty = slider("repetition-penalty", "repetition penalty", o["repetition_penalty"], r["repetition_penalty"], 0.05)
+        self.top_k = _tag(_labelled(W.BoundedIntText(value=max(0, o["top_k"]), min=r["top_k"][0], max=r["top_k"][1],   # -1: off, as 0
+                                                     description="top-k"), R, "19em"), "top-k")
+        self.max_tokens = _tag(_labelled(W.BoundedIntText(value=o["max_new_tokens"], min=r["max_new_tokens"][0], max=r["max_new_tokens"][1],
                                                           description="max new tokens"), R, "19em"), "max-tokens")
         self.seed = _tag(_labelled(W.IntText(value=0 if o["seed"] is None else o["seed"], description="seed"), R, "19em"), "seed")
         self.new_seed = _tag(W.Checkbox(value=o["seed"] is None, description="new seed each time", indent=False,
                                         layout=W.Layout(width="auto")), "new-seed")
         stops = [o["stop_at"]] if isinstance(o["stop_at"], str) else list(o["stop_at"] or [])
-        self.stop_at = _tag(_labelled(W.Text(value="|".join(escape_stop(s) for s in stops), description="stop at",
+        self.stop_at = _tag(_labelled(W.Text(value=_stops_text(stops), description="stop at",
                                              placeholder="e.g. \\n\\n|END"), R, "19em"), "stop-at")
         self.generate_button = _tag(W.Button(description="Generate", button_style="primary", icon="play"), "generate")
         self.stop_button = _tag(W.Button(description="Stop", icon="stop", disabled=True), "stop")
@@ -196,7 +243,7 @@ class SamplerWidget(W.VBox):
         self.stop_button.on_click(lambda _: c.stop())
         options = _row(W.VBox([self.temperature, self.top_p, self.repetition_penalty]),
                        W.VBox([_row(self.top_k, _hint("0: off")), self.max_tokens, _row(self.seed, self.new_seed),
-                               _row(self.stop_at, _hint("\\n: a newline · | between several"))]), align_items="flex-start")
+                               _row(self.stop_at, _hint("\\n: a newline · | between several · \\| a bar"))]), align_items="flex-start")
         super().__init__([self.prompt, options, _row(self.generate_button, self.stop_button, self.activity),
                           self.output, self.stats, self.error], layout=W.Layout(width="auto"))
 
@@ -209,7 +256,7 @@ def generate(self: SamplerWidget):
                                            top_k=self.top_k.value, max_new_tokens=self.max_tokens.value,
                                            repetition_penalty=self.repetition_penalty.value,
                                            seed=None if self.new_seed.value else self.seed.value,
-                                           stop_at=[unescape_stop(s) for s in self.stop_at.value.split("|") if s] or None)
+                                           stop_at=_stops_from_text(self.stop_at.value) or None)
     except Exception as e:
         self.error.value = _error_html(_message(e))
         return
@@ -354,6 +401,8 @@ class FinetuneWidget(W.VBox):
     "Fine-tune from a notebook: Start / Pause / Step / Save, progress, a live loss plot and sample previews."
     def __init__(self, trainer_or_lm: Trainer | LM, total_steps: int | None = None, eval_every: int | None = 20,
                  sample_prompt: str = "", plot_every: int = 5, workdir: str = "meshtx-finetune"):
+        if isinstance(plot_every, bool) or not isinstance(plot_every, numbers.Integral) or plot_every < 1:
+            raise ValueError(f"plot_every={plot_every!r} must be an integer ≥ 1: the steps between redraws of the plot while training")
         self.controller, self.plot_every, self.workdir, self._plotted = None, plot_every, Path(workdir), None
         self._eval_every, self._prompt = eval_every, sample_prompt
         self.start_button = _tag(W.Button(description="Start", button_style="success", icon="play"), "start")
@@ -411,6 +460,7 @@ def _refresh(self: FinetuneWidget, c: FinetuneController):
 @patch
 def _setup_form(self: FinetuneWidget, lm: LM, total_steps):
     field = lambda w, name, width="13em": _tag(_labelled(w, "5.5em", width), name)
+    self._added_lora = False   # whether `lm`'s adapters are a build's (the next build replaces them), not the user's
     self.data_path = field(W.Text(placeholder="text or jsonl files, or a folder (comma-separated)", description="data"), "data", "32em")
     self.upload = _tag(W.FileUpload(accept=".txt,.jsonl,.md,.gz,.zst", multiple=True), "upload")
     self.seq = field(W.BoundedIntText(value=min(256, lm.config.n_ctx), min=8, max=lm.config.n_ctx, description="seq"), "seq")
@@ -437,33 +487,57 @@ def _prepared(header: dict) -> str:
 
 # %% ../nbs/11_widgets.ipynb #dda78fe9
 @patch
-def build(self: FinetuneWidget, lm: LM):
-    "What 'Prepare data' does: tokenize the data, build a Trainer with the form's settings, attach it."
-    from meshtx.data import prepare_data, Loader
+def _check_form(self: FinetuneWidget, lm: LM):
+    "Refuse, before any work, a build that cannot start: training running, no data, no tokenizer, a bad rate, adapters in the way."
+    if self.controller is not None and self.controller.running: raise ValueError("training is running: pause it first")
+    if not self.data_path.value.strip(" ,") and not _uploaded(self.upload): raise ValueError("give a data path or upload a file")
+    if lm.tokenizer is None: raise ValueError("this model has no tokenizer to prepare text with")
+    lr, rank = self.lr.value, self.lora_rank.value
+    if not (math.isfinite(lr) and lr > 0): raise ValueError(f"lr={lr!r} must be a finite number > 0")
+    if lm.lora is not None and not self._added_lora:   # the user's own adapters (a build's are replaced by the next)
+        if rank == 0: raise ValueError("the model carries LoRA adapters: merge them (lm.merge_lora()) to fine-tune it fully")
+        if lm.lora != LoRAConfig(rank=rank):
+            raise ValueError(f"the model carries LoRA adapters ({lm.lora}), not rank {rank}'s: merge them (lm.merge_lora()) first")
+
+@patch
+def _sources(self: FinetuneWidget) -> list[str]:
+    "The data paths typed, and the files of the current upload (written to `workdir/uploads`; an earlier upload's are not used)."
+    sources = [s.strip() for s in self.data_path.value.split(",") if s.strip()]
+    if files := _uploaded(self.upload):
+        up = self.workdir / "uploads"; up.mkdir(parents=True, exist_ok=True)
+        for name, content in files: (up / Path(name).name).write_bytes(content)
+        sources += [str(up / Path(name).name) for name, _ in files]
+    return sources
+
+# %% ../nbs/11_widgets.ipynb #8e4f5a02
+@patch
+def _new_run(self: FinetuneWidget, lm: LM, train, val) -> Trainer:
+    "A `Trainer` of the form's settings for `lm` (from its base weights where a build gave it adapters); on failure `lm` is as it was."
+    was, reset = dict(vars(lm)), self._added_lora and lm.lora is not None
     try:
-        sources = [s.strip() for s in self.data_path.value.split(",") if s.strip()]
-        if files := _uploaded(self.upload):
-            up = self.workdir / "uploads"; up.mkdir(parents=True, exist_ok=True)
-            for name, content in files: (up / Path(name).name).write_bytes(content)
-            sources.append(str(up))
-        if self.controller is not None and self.controller.running: raise ValueError("training is running: pause it first")
-        if not sources: raise ValueError("give a data path or upload a file")
-        if lm.tokenizer is None: raise ValueError("this model has no tokenizer to prepare text with")
-        if lm.lora is not None and getattr(self, "_added_lora", False):   # adapters of an earlier build: a new run
-            lm.__init__(lm.config, split_adapters(lm.params)[0], lm.tokenizer, lm.mesh, None)   # starts from the base
-        had_lora = lm.lora is not None
-        if had_lora and self.lora_rank.value == 0:
-            raise ValueError("the model carries LoRA adapters: merge them (lm.merge_lora()) to fine-tune it fully")
+        if reset: lm.__init__(lm.config, split_adapters(lm.params)[0], lm.tokenizer, lm.mesh, None, generation_config=lm.generation_config)
+        t = Trainer(lm, train, val, lr=self.lr.value, total_steps=self.steps.value, warmup_steps=self.steps.value // 10,
+                    lora=self.lora_rank.value or None, checkpoint_dir=str(self.workdir / "checkpoints"), progress=False)
+    except BaseException:
+        vars(lm).clear(); vars(lm).update(was)   # its adapters, compiled programs and lock, as before
+        raise
+    self._added_lora = (reset or was["lora"] is None) and lm.lora is not None
+    return t
+
+@patch
+def build(self: FinetuneWidget, lm: LM):
+    "What 'Prepare data' does: check the form, tokenize the data, then start a new run and attach it (or say why not)."
+    from meshtx.data import prepare_data, Loader
+    info = self.data_info.value   # the current run's, shown again if this build fails
+    try:
+        self._check_form(lm)
         self.error.value, self.data_info.value = "", _status_html("preparing data (tokenizing)…", busy=True)
-        data = prepare_data(sources, self.workdir / "data", lm.tokenizer, self.seq.value, val_fraction=0.05, progress=False)
+        data = prepare_data(self._sources(), self.workdir / "data", lm.tokenizer, self.seq.value, val_fraction=0.05, progress=False)
         self.data_info.value = _status_html(_prepared(data.header) + " · setting up the trainer…", busy=True)
         val = Loader(data, min(self.batch.value, data.n("val")), split="val") if data.n("val") else None
-        t = Trainer(lm, Loader(data, self.batch.value), val, lr=self.lr.value, total_steps=self.steps.value,
-                    warmup_steps=self.steps.value // 10, lora=self.lora_rank.value or None,
-                    checkpoint_dir=str(self.workdir / "checkpoints"), progress=False)
-        self._added_lora = not had_lora and lm.lora is not None
+        t = self._new_run(lm, Loader(data, self.batch.value), val)
     except Exception as e:
-        self.error.value, self.data_info.value = _error_html(_message(e)), ""
+        self.error.value, self.data_info.value = _error_html(_message(e)), info
         return None
     self.data_info.value = _status_html(_prepared(data.header))
     self.attach(t, self.steps.value)

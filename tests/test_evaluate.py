@@ -193,3 +193,130 @@ def test_lm_eval_command_finds_meshtx_through_its_entry_point(setup, tmp_path):
     acc = json.loads(result.read_text())["results"]["toy_mc"]["acc,none"]
     ref = evaluate(MeshtxLM(pretrained=str(setup["ckpt"]), dtype="float32"), setup, tasks=["toy_mc"], limit=2)
     assert acc == ref["results"]["toy_mc"]["acc,none"]
+
+
+# Checkpoints shaped like other families' (tiny, random, float32), each with a BPE tokenizer trained here on a few lines:
+# Llama-2's (adds `<s>`; here with a chat template) and Qwen2.5-Instruct's (no BOS; `<|im_end|>` ends a text, while
+# config.json's bos_token_id is `<|endoftext|>`). MeshtxLM and lm-eval's HFLM load the same directory.
+CORPUS = [d["question"] + " " + c + "." for d in QA for c in d["choices"]] + TEXTS + [
+    "Hello world, the model runs.", "Question: what is the answer? Answer: the model matches the reference."]
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def _family_checkpoint(path, family):
+    import torch, transformers
+    from tokenizers import Tokenizer, models, trainers, pre_tokenizers, decoders, processors
+    transformers.logging.set_verbosity_error()
+    llama = family == "llama"
+    specials = ["<unk>", "<s>", "</s>"] if llama else ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>") if llama else models.BPE())
+    if llama:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    else: tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = (list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:!?'\"-()\n") if llama
+                else pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200 if llama else 400, special_tokens=specials,
+                                                        initial_alphabet=alphabet))
+    if llama:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+        hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                  unk_token="<unk>", chat_template=CHAT_TEMPLATE)
+    else: hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    torch.manual_seed(0)
+    shape = dict(vocab_size=len(hf), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    model = (transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape, bos_token_id=1, eos_token_id=2)) if llama else
+             transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape, bos_token_id=0, eos_token_id=2, tie_word_embeddings=True)))
+    with torch.no_grad():
+        for p in model.parameters(): p.normal_(0, 0.3)   # sharp distributions: greedy choices are clear
+        if llama: model.lm_head.weight[0] *= 3          # and `<unk>`, a special token, is generated now and then
+    model.save_pretrained(path); hf.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    "MeshtxLM and HFLM on one tiny Llama checkpoint whose tokenizer adds `<s>` and has a chat template."
+    path = str(_family_checkpoint(tmp_path_factory.mktemp("llama") / "ckpt", "llama"))
+    return MeshtxLM(pretrained=path, dtype="float32"), HFLM(pretrained=path, dtype="float32", device="cpu", batch_size=1)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    "MeshtxLM and HFLM on one tiny Qwen2 checkpoint whose tokenizer has no BOS (and no chat template)."
+    path = str(_family_checkpoint(tmp_path_factory.mktemp("qwen") / "ckpt", "qwen"))
+    return MeshtxLM(pretrained=path, dtype="float32"), HFLM(pretrained=path, dtype="float32", device="cpu", batch_size=1)
+
+
+def _ask(model, kind, *args):
+    return getattr(model, kind)([Instance(kind, {}, a, i) for i, a in enumerate(args)], disable_tqdm=True)
+
+
+def test_a_context_that_starts_with_the_bos_text_gets_no_second_bos(llama):
+    "As HFLM: `<s>Hello` (what Llama-2's and Mistral's chat templates make) is encoded with its own `<s>` only."
+    ours, theirs = llama
+    assert ours.tok_encode("<s>Hello") == theirs.tok_encode("<s>Hello") and ours.tok_encode("<s>Hello").count(1) == 1
+    assert ours.tok_encode("Hello")[0] == 1 and ours.tok_encode("Hello", add_special_tokens=False)[0] != 1
+    # no two of the same tokens split differently: HFLM (0.4.13) would score those from one forward pass and get the
+    # shorter continuation wrong (`<s>Hello`+` world` next to `<s>`+`Hello world`)
+    pairs = [("<s>Hello", " world"), ("Hello", " world"), ("<s>", "The model runs.")]
+    assert_same(_ask(ours, "loglikelihood", *pairs), _ask(theirs, "loglikelihood", *pairs))
+    texts = [("<s>Hello world, the model runs.",), ("Hello world",)]
+    assert_same(_ask(ours, "loglikelihood_rolling", *texts), _ask(theirs, "loglikelihood_rolling", *texts))
+
+
+def test_without_a_bos_the_prefix_token_is_the_tokenizers_eos(qwen):
+    "A Qwen2.5-Instruct-shaped tokenizer (no BOS): an empty context and rolling windows start from its EOS, as in HFLM."
+    ours, theirs = qwen
+    assert ours.tokenizer.bos_token_id is None and ours.lm.config.bos_token_id == 0
+    assert ours.prefix_token_id == theirs.prefix_token_id == ours.tokenizer.eos_token_id == 2
+    assert_same(_ask(ours, "loglikelihood", ("", "Hello world"), ("Hello", " world")),
+                _ask(theirs, "loglikelihood", ("", "Hello world"), ("Hello", " world")))
+    texts = [("Hello world, the model runs.",)]
+    assert_same(_ask(ours, "loglikelihood_rolling", *texts), _ask(theirs, "loglikelihood_rolling", *texts))
+    # HFLM's `prefix_token_id` model argument comes first
+    assert MeshtxLM(pretrained=ours.lm, prefix_token_id=0).prefix_token_id == 0
+
+
+def test_chat_template_matches_hf(llama, qwen, tmp_path):
+    "`--apply_chat_template`: the tokenizer's template renders the chat as HFLM's does, and a whole task scores the same."
+    ours, theirs = llama
+    chat = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "The capital of France is"}]
+    for prompt in (True, False):
+        assert ours.apply_chat_template(chat, prompt) == theirs.apply_chat_template(chat, prompt)
+    assert ours.apply_chat_template(chat).startswith("<s>[system] Answer briefly.\n")
+    assert ours.tokenizer_name == theirs.tokenizer_name and ours.chat_template(True) == theirs.chat_template(True) == CHAT_TEMPLATE
+    write_task(tmp_path, "toy_mc", QA[:2], output_type="multiple_choice", doc_to_text="{{question}}",
+               doc_to_choice="{{choices}}", doc_to_target="answer", metric_list=[{"metric": "acc"}])
+    tm = TaskManager(include_path=str(tmp_path), include_defaults=False)   # (not indexing lm-eval's own tasks: 10 s)
+    run = lambda model: lm_eval.simple_evaluate(model=model, tasks=["toy_mc"], apply_chat_template=True, log_samples=True,
+                                                task_manager=tm)["samples"]["toy_mc"]
+    mine, ref = run(ours), run(theirs)
+    assert mine[0]["arguments"] == ref[0]["arguments"] and mine[0]["arguments"][0][0].startswith("<s>[user] ")
+    assert_same([s["resps"] for s in mine], [s["resps"] for s in ref])
+    with pytest.raises(ValueError, match="has no chat template"): qwen[0].apply_chat_template(chat)
+
+
+def test_generated_text_has_no_special_tokens(llama):
+    "As HFLM decodes generations (skip_special_tokens=True): the `<unk>` this model generates is not in the text."
+    ours, theirs = llama
+    prompt, kw = "Hello world", {"until": ["\n\n"], "max_gen_toks": 6, "do_sample": False}
+    raw = ours.lm.generate([ours.tok_encode(prompt)], max_new_tokens=6, temperature=0)
+    assert 0 in raw.tokens[0] and "<unk>" in raw.texts[0]      # the model does generate a special token here
+    mine = _ask(ours, "generate_until", (prompt, kw))
+    assert mine == _ask(theirs, "generate_until", (prompt, kw)) and "<unk>" not in mine[0] and mine[0].strip()
+
+
+def test_any_number_of_stop_strings(llama):
+    "HFLM takes any number of `until` strings; `lm.generate` at most 16 (MAX_STOPS): every one still cuts the text."
+    from meshtx.sampling import MAX_STOPS
+    ours, theirs = llama
+    prompt = "The model"
+    free = ours.lm.generate([ours.tok_encode(prompt)], max_new_tokens=8, temperature=0).texts[0]
+    cut = free.split()[1]
+    until = [f"\nstop {i}" for i in range(MAX_STOPS + 4)] + [cut]           # the one that matters is the last
+    kw = {"until": until, "max_gen_toks": 8, "do_sample": False}
+    mine = _ask(ours, "generate_until", (prompt, kw))
+    assert mine == _ask(theirs, "generate_until", (prompt, kw)) == [free[:free.index(cut)]], (mine, free)

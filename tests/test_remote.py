@@ -91,6 +91,42 @@ def test_finetune_into_the_bucket(where, tmp_path):
     assert f"{where}/ft/model" in r.stdout and not (tmp_path / "gs:").exists()
     assert {"adapters", "checkpoints", "data", "loss.png", "model"} <= set(listing(f"{where}/ft"))
     assert LM.load(f"{where}/ft/model", progress=False).config.n_layer == 2
+    fs, root = filesystem(f"{where}/ft/model")
+    fs.invalidate_cache()
+    for p in sorted(fs.ls(root), key=lambda p: p.endswith("config.json"))[1:]: fs.rm(p)   # the model's upload cut short:
+    assert "config.json" not in listing(f"{where}/ft/model")                                  # one file of it there
+    again = subprocess.run(r.args, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]   # the same command again writes it whole (it was "not empty")
+    assert LM.load(f"{where}/ft/model", progress=False).config.n_layer == 2
+
+
+def test_a_folder_made_in_the_cloud_console_takes_a_save(where):
+    "The console's 'Create folder' writes a placeholder object `NAME/`: the folder is empty, and a save goes in."
+    fs, root = filesystem(f"{where}/m")
+    fs.pipe(root + "/", b"")
+    lm = LM.init(ModelConfig(**TINY), tokenizer=ByteTokenizer())
+    lm.save_hf(f"{where}/m", progress=False)
+    assert LM.load(f"{where}/m", progress=False).config.d_model == 64
+
+
+def test_a_tokenizer_upload_cut_short_is_not_loaded_and_is_written_again(where):
+    "A Trainer keeps the tokenizer beside gs:// checkpoints; a folder without its marker is an upload cut short."
+    import itertools
+    from meshtx.train import Trainer
+    from meshtx.tokenizer import gpt2_tokenizer
+    lm = LM.init(ModelConfig(**{**TINY, "n_vocab": 50400}), tokenizer=gpt2_tokenizer())
+    batch = np.random.RandomState(0).randint(0, 100, (2, 17))
+    t = Trainer(lm, itertools.repeat(batch), lr=1e-3, checkpoint_dir=f"{where}/ck", progress=False)
+    t.step(); t.save()
+    fs, root = filesystem(f"{where}/ck/tokenizer")
+    fs.invalidate_cache()
+    assert "complete.json" in listing(f"{where}/ck/tokenizer")
+    for p in fs.ls(root):
+        if not p.endswith("tokenizer_config.json"): fs.rm(p)   # cut short: one file arrived
+    fs.invalidate_cache()
+    assert LM.load(f"{where}/ck", progress=False).tokenizer.encode("Hello world") == [15496, 995]   # not the partial one
+    t.step(); t.save()   # the next save writes it whole
+    assert "complete.json" in listing(f"{where}/ck/tokenizer") and "tokenizer.json" in listing(f"{where}/ck/tokenizer")
 
 
 def test_configs_from_the_bucket(where):
@@ -111,3 +147,15 @@ def test_cli_convert_between_buckets(where):
     assert main(["convert", f"{where}/mx", f"{where}/hf", "-q"]) == 0          # meshtx -> Hugging Face, bucket to bucket
     assert main(["convert", f"{where}/hf", f"{where}/mx2", "-q"]) == 0         # and back
     npt.assert_allclose(np.asarray(LM.load(f"{where}/mx2", progress=False).logits("hi")), np.asarray(lm.logits("hi")), atol=1e-6)
+
+
+def test_errors_about_a_bucket_checkpoint_name_the_bucket(where):
+    "A loader reads a cached copy; what it finds wrong is named in the bucket, not in the cache."
+    lm = LM.init(ModelConfig(**TINY), tokenizer=ByteTokenizer())
+    lm.save_hf(f"{where}/m", progress=False)
+    LM.load(f"{where}/m", progress=False)   # (cached now)
+    fs, root = filesystem(f"{where}/m")
+    fs.rm(f"{root}/model.safetensors")
+    fs.invalidate_cache()
+    with pytest.raises((FileNotFoundError, ValueError)) as e: LM.load(f"{where}/m", progress=False)
+    assert f"{where}/m" in str(e.value) and "cache" not in str(e.value), str(e.value)

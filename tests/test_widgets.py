@@ -166,3 +166,128 @@ def test_finetune_says_what_it_is_doing_and_shows_a_placeholder(tmp_path):
     assert re.fullmatch(r"1 step in [\d.]+ s", w.controller.activity)
     w.save_button.click()
     assert "no checkpoint directory" in w.error.value and w.controller.activity == ""
+
+
+def _text(h): return html.unescape(re.sub("<[^>]+>", "", h))
+
+
+def test_sampler_options_are_shown_as_given_or_refused(lm):
+    "Values `generate` takes are kept by the controls (not clamped to a slider's range); one it cannot use is refused."
+    w = SamplerWidget(lm, temperature=3.0, repetition_penalty=0.8, top_k=lm.config.n_vocab + 100)
+    assert (w.temperature.value, w.repetition_penalty.value, w.top_k.value) == (3.0, 0.8, lm.config.n_vocab + 100)
+    assert w.max_tokens.max == lm.config.n_ctx - 1
+    with pytest.raises(ValueError, match=f"max_new_tokens={lm.config.n_ctx} leaves no room for a prompt"):
+        SamplerWidget(lm, max_new_tokens=lm.config.n_ctx)
+
+
+def test_sampler_stop_strings_may_hold_a_bar(lm):
+    w = SamplerWidget(lm, prompt="Hello", stop_at=["a|b", "|", "c\\"], temperature=0)
+    assert w.stop_at.value == "a\\|b|\\||c\\\\"                     # a bar in a stop string is written \|
+    w.max_tokens.value = 4
+    w.generate_button.click(); assert w.controller.wait(60)
+    assert w.controller.options["stop_at"] == ["a|b", "|", "c\\"]   # the same strings back, none split at its bar
+    w.stop_at.value = "x\\|y|\\n"                                   # typed by hand
+    w.generate_button.click(); assert w.controller.wait(60)
+    assert w.controller.options["stop_at"] == ["x|y", "\n"]
+
+
+def test_sampler_counts_generated_tokens_and_says_what_its_rate_measures(lm):
+    w = SamplerWidget(lm, prompt="Once upon a time", temperature=0, seed=5)
+    w.max_tokens.value = 16                                         # two device calls of 8 steps
+    counts = []
+    w.controller.on_update = lambda c: (counts.append(c.n_tokens), w._refresh(c))
+    w.generate_button.click(); assert w.controller.wait(60)
+    g = lm.generate("Once upon a time", max_new_tokens=16, temperature=0)
+    assert w.controller.n_tokens == len(g.tokens[0]) and w.controller.text == g.texts[0]
+    live = [n for n in counts if n is not None]
+    assert live[0] == 8 and live == sorted(live)                    # the first piece came with the first call's 8
+    stats = _text(w.stats.value)
+    assert re.fullmatch(rf"time to first token \d+ ms · {len(g.tokens[0])} tokens · [\d.]+ tokens/s after the first 8", stats), stats
+
+
+def test_sampler_bad_option_keeps_the_last_result(lm):
+    w = SamplerWidget(lm, prompt="Hello", temperature=0)
+    w.max_tokens.value = 8
+    w.generate_button.click(); assert w.controller.wait(60)
+    output, stats, activity = w.output.value, w.stats.value, w.activity.value
+    assert w.controller.text and "tokens" in stats
+    w.new_seed.value, w.seed.value = False, -1
+    w.generate_button.click()
+    assert "seed" in w.error.value
+    assert (w.output.value, w.stats.value, w.activity.value) == (output, stats, activity)
+
+
+def test_sampler_says_it_compiles_again_after_new_adapters():
+    lm = LM.init("demo")
+    w = SamplerWidget(lm, prompt="Hello", temperature=0)
+    w.max_tokens.value = 4
+    seen = []
+    w.controller.on_update = lambda c: (seen.append(c.activity), w._refresh(c))
+    firsts = []
+    for change in (None, None, lambda: lm.add_lora(2), None):
+        if change: change()
+        seen.clear(); w.generate_button.click(); assert w.controller.wait(120)
+        firsts.append(seen[0])
+    assert firsts == [COMPILING, "generating…", COMPILING, "generating…"], firsts
+
+
+def test_finetune_widget_refuses_a_bad_plot_every():
+    t = Trainer(LM.init("tiny"), itertools.repeat(PATTERN), lr=3e-3, total_steps=10, progress=False)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=re.escape(f"plot_every={bad!r} must be an integer ≥ 1")):
+            FinetuneWidget(t, plot_every=bad)
+
+
+def _upload(name, data: bytes):   # what FileUpload.value reads (ipywidgets 8's shape; `_uploaded` reads 7's too)
+    return types.SimpleNamespace(value=({"name": name, "type": "text/plain", "size": len(data), "content": memoryview(data)},))
+
+
+def test_finetune_build_uses_only_the_current_upload(tmp_path):
+    lm = LM.init("demo")
+    a, b = "Alpha apples are awesome. " * 100, "Bravo bananas be brilliant, bold and bright. " * 150
+    w = FinetuneWidget(lm, workdir=str(tmp_path / "work"))
+    w.seq.value, w.batch.value, w.steps.value, w.lora_rank.value = 32, 2, 4, 2
+    for text in (a, b):
+        w.upload = _upload(f"{text[0]}.txt", text.encode())
+        w.build_button.click()
+        assert w.error.value == "", w.error.value
+        info = _text(w.data_info.value)                                # this upload's windows alone, from its one file
+        m = re.fullmatch(r"prepared (\d+) windows of 32 tokens(?: \(\+(\d+) held out\))? from 1 document in 1 file", info)
+        assert m, info
+        assert int(m[1]) + int(m[2] or 0) == (len(lm.tokenizer.encode(text)) + 1) // 33
+
+
+def test_finetune_failed_build_keeps_the_run_and_its_adapters(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text("A short text about foxes and dogs. " * 100)
+    lm = LM.init("demo")
+    lm.generation_config = {"temperature": 0.6, "eos_token_id": [50256]}
+    w = FinetuneWidget(lm, workdir=str(tmp_path / "work"), eval_every=None)
+    w.data_path.value = str(tmp_path / "a.txt")
+    w.seq.value, w.batch.value, w.steps.value, w.lora_rank.value = 32, 2, 5, 4
+    w.build_button.click()
+    w.step_button.click(); assert w.controller.wait(60) and w.controller.steps_done == 1
+    run, info, lora, params, compiled = w.controller, w.data_info.value, lm.lora, lm.params, lm.compiled
+
+    def still_the_run():
+        assert w.controller is run and w.data_info.value == info and not w.start_button.disabled
+        assert lm.lora == lora and lm.params is params and lm.compiled is compiled
+        assert lm.generation_config == {"temperature": 0.6, "eos_token_id": [50256]}
+
+    w.data_path.value = str(tmp_path / "a.tx")                      # a typo
+    w.build_button.click()
+    assert "a.tx" in _text(w.error.value); still_the_run()
+    w.data_path.value, w.lr.value = str(tmp_path / "a.txt"), float("nan")
+    w.build_button.click()
+    assert "lr=nan" in w.error.value; still_the_run()
+    w.lr.value = 3e-4
+    import meshtx.widgets
+    def broken(*a, **k): raise RuntimeError("no trainer today")
+    monkeypatch.setattr(meshtx.widgets, "Trainer", broken)          # fails after the model was reset to its base
+    w.build_button.click()
+    assert "no trainer today" in w.error.value; still_the_run()
+    monkeypatch.undo()
+    w.step_button.click(); assert w.controller.wait(60)             # the run goes on
+    assert w.error.value == "" and w.controller.steps_done == 2
+    w.build_button.click()                                          # a new run, from the base: generation_config kept
+    assert w.error.value == "" and w.controller is not run and lm.lora.rank == 4
+    assert lm.generation_config == {"temperature": 0.6, "eos_token_id": [50256]}
