@@ -672,9 +672,15 @@ def prepare_data(sources, out, tokenizer, seq: int = 2048, *, val_fraction: floa
 # %% ../nbs/06_data.ipynb #74de25c8
 class _RangeReader:
     """Rows of a remote `[n, width]` array file, fetched by ranged reads: one per run of consecutive rows, at most
-    `in_flight` at a time (more parallel requests stalled the GCS emulator for seconds each)."""
+    `in_flight` at a time (more parallel requests stalled the GCS emulator for seconds each). A file replaced while it
+    is open (the data prepared again into the same place) is an error, not rows of the new data under the old header."""
     in_flight = 4
-    def __init__(self, fs, path: str, dtype, width: int): self.fs, self.path, self.dtype, self.width = fs, path, dtype, width
+    def __init__(self, fs, path: str, dtype, width: int):
+        self.fs, self.path, self.dtype, self.width = fs, path, dtype, width
+        self.version = self._version()
+    def _version(self) -> str:
+        self.fs.invalidate_cache(self.path)
+        return file_version(self.fs.info(self.path))
     def __getitem__(self, rows: np.ndarray) -> np.ndarray:
         size = self.width * self.dtype.itemsize
         rows = np.asarray(rows, np.int64).reshape(-1)
@@ -684,6 +690,9 @@ class _RangeReader:
                                     [(int(r[-1]) + 1) * size for r in runs], batch_size=self.in_flight, on_error="raise")
         out = np.empty((len(rows), self.width), self.dtype)
         out[order] = np.frombuffer(b"".join(chunks), self.dtype).reshape(len(rows), self.width)
+        if self._version() != self.version:
+            raise ValueError(f"{url_of(self.fs, self.path)} was replaced while this dataset was open (prepared again into "
+                             "the same place?): open it again (TokenData.open) to read the new one")
         return out
 
 # %% ../nbs/06_data.ipynb #3f95e7f1

@@ -263,7 +263,7 @@ def fetch_dir(url, cache_dir=None, progress=True) -> Path:
     write_atomic(versions_file, json.dumps({k: v for k, v in versions.items() if k in names}))
     return local
 
-# %% ../nbs/00a_storage.ipynb #3bd35a81
+# %% ../nbs/00a_storage.ipynb #dec66ff9
 @contextlib.contextmanager
 def named_as_remote(local, url):
     "Errors raised inside that name the local copy `local` of remote folder `url` name `url` instead (same type)."

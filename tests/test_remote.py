@@ -159,3 +159,17 @@ def test_errors_about_a_bucket_checkpoint_name_the_bucket(where):
     fs.invalidate_cache()
     with pytest.raises((FileNotFoundError, ValueError)) as e: LM.load(f"{where}/m", progress=False)
     assert f"{where}/m" in str(e.value) and "cache" not in str(e.value), str(e.value)
+
+
+def test_a_bucket_dataset_prepared_again_under_an_open_reader_is_an_error(where, tmp_path):
+    "Its header is the old one: rows of the new tokens under it would be wrong data, silently (a local one reads on)."
+    from meshtx.data import TokenData, prepare_data
+    (tmp_path / "a.txt").write_text("first corpus " * 200)
+    prepare_data(tmp_path / "a.txt", f"{where}/ds", ByteTokenizer(), seq=15, progress=False)
+    data = TokenData.open(f"{where}/ds")
+    first = data.windows([0, 1])
+    npt.assert_array_equal(data.windows([0, 1]), first)   # unchanged: read again, the same
+    (tmp_path / "a.txt").write_text("a second, other corpus " * 300)
+    prepare_data(tmp_path / "a.txt", f"{where}/ds", ByteTokenizer(), seq=15, progress=False)
+    with pytest.raises(ValueError, match="was replaced while this dataset was open"): data.windows([0, 1])
+    assert TokenData.open(f"{where}/ds").n_windows != data.n_windows
