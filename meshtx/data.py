@@ -16,10 +16,10 @@ from fastcore.basics import patch
 from .storage import filesystem, is_local, is_remote, check_bucket, fetch_dir, file_version, read_json, url_of
 
 # %% auto #0
-__all__ = ['EOT_TEXT', 'PART_CHARS', 'FORMAT', 'FORMAT_VERSION', 'read_index', 'source_files', 'file_kind', 'replace_invalid',
-           'read_documents', 'masked_crc32c', 'example_int64_feature', 'read_tfrecord', 'resolve_tokenizer',
-           'windows_from_tokens', 'val_window_indices', 'tokenizer_fingerprint', 'sources_digest', 'prepare_data',
-           'TokenData', 'Loader']
+__all__ = ['EOT_TEXT', 'PART_CHARS', 'FORMAT', 'FORMAT_VERSION', 'ABANDONED_AGE', 'read_index', 'source_files', 'file_kind',
+           'replace_invalid', 'read_documents', 'masked_crc32c', 'example_int64_feature', 'read_tfrecord',
+           'resolve_tokenizer', 'windows_from_tokens', 'val_window_indices', 'tokenizer_fingerprint', 'sources_digest',
+           'prepare_data', 'TokenData', 'Loader']
 
 # %% ../nbs/06_data.ipynb #0a87faed
 def _hidden(pattern: str, path: str) -> bool:
@@ -504,6 +504,18 @@ def _finish_publish(fs, root) -> bool:
     return False
 
 # %% ../nbs/06_data.ipynb #600972c3
+ABANDONED_AGE = 3600   # seconds: a publish's temporary file this old was left by a killed one (none takes an hour)
+
+def _sweep_abandoned(fs, root: str):
+    "Delete the temporary files that publishes into `root` killed between their steps left (local or remote)."
+    try: paths = fs.ls(root, detail=False)
+    except FileNotFoundError: return
+    for p in paths:
+        name = p.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith((".tokens.bin.", ".header.json.")) and name.endswith(".tmp"):
+            with contextlib.suppress(OSError, NotImplementedError):
+                if time.time() - fs.modified(p).timestamp() > ABANDONED_AGE: fs.rm(p)
+
 def _publish(staging: Path, out, storage_options=None):
     """Move `tokens.bin` and `header.json` from the local `staging` folder to `out`, so that at every moment `out` holds
     the earlier dataset or the new one, or can be completed to the new one (`_finish_publish`). Both files go under
@@ -512,10 +524,8 @@ def _publish(staging: Path, out, storage_options=None):
     new header comes last. A publish stopped after the old header went is completed by the next `TokenData.open`."""
     fs, root = filesystem(out, **(storage_options or {}))
     _finish_publish(fs, root)
-    if is_local(fs):
-        fs.makedirs(root, exist_ok=True)
-        for old in Path(root).glob(".*.tmp"):   # an earlier publish that was killed between its two steps
-            if old.name.startswith((".tokens.bin.", ".header.json.")) and time.time() - old.stat().st_mtime > 3600: old.unlink(missing_ok=True)
+    if is_local(fs): fs.makedirs(root, exist_ok=True)
+    _sweep_abandoned(fs, root)
     tag = uuid.uuid4().hex[:8]   # one tag for both files: `_finish_publish` pairs them by it
     temporary = {name: f"{root}/.{name}.{tag}.tmp" for name in ("tokens.bin", "header.json")}
     put = (lambda name: shutil.move(staging / name, temporary[name])) if is_local(fs) else \

@@ -173,3 +173,17 @@ def test_a_bucket_dataset_prepared_again_under_an_open_reader_is_an_error(where,
     prepare_data(tmp_path / "a.txt", f"{where}/ds", ByteTokenizer(), seq=15, progress=False)
     with pytest.raises(ValueError, match="was replaced while this dataset was open"): data.windows([0, 1])
     assert TokenData.open(f"{where}/ds").n_windows != data.n_windows
+
+
+def test_a_publish_killed_in_the_bucket_leaves_no_object_behind(where, tmp_path, monkeypatch):
+    "A killed publish's full-size temporary tokens object is deleted by a later prepare into the same place."
+    import meshtx.data
+    from meshtx.data import prepare_data
+    fs, root = filesystem(f"{where}/ds")
+    fs.pipe(f"{root}/.tokens.bin.0badc0de.tmp", b"\0" * 1000)   # as a kill during the upload leaves it
+    (tmp_path / "a.txt").write_text("some corpus " * 100)
+    prepare_data(tmp_path / "a.txt", f"{where}/ds", ByteTokenizer(), seq=15, progress=False)
+    assert ".tokens.bin.0badc0de.tmp" in listing(f"{where}/ds")   # younger than an hour: maybe another run's
+    monkeypatch.setattr(meshtx.data, "ABANDONED_AGE", 0)
+    prepare_data(tmp_path / "a.txt", f"{where}/ds", ByteTokenizer(), seq=15, progress=False)
+    assert listing(f"{where}/ds") == ["header.json", "tokens.bin"]
