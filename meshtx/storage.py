@@ -50,7 +50,11 @@ def check_bucket(url, **storage_options):
     fs, path = filesystem(url, **storage_options)
     if "gs" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol):
         bucket = path.split("/")[0]
-        if not fs.exists(bucket): raise FileNotFoundError(f"bucket gs://{bucket} does not exist (for {url})")
+        if fs.exists(bucket): return
+        # credentials that may write objects but not read the bucket's metadata (roles/storage.objectAdmin) see an
+        # empty bucket as missing: listing it tells the two apart (a missing bucket's listing is a 404)
+        try: fs.ls(bucket, detail=False)
+        except FileNotFoundError: raise FileNotFoundError(f"bucket gs://{bucket} does not exist (for {url})") from None
 
 # %% ../nbs/00a_storage.ipynb #04fa907a
 JSON_LIMIT = 256 << 20   # no settings, index or manifest file is larger: a larger one is not the file meshtx wants

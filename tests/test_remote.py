@@ -187,3 +187,47 @@ def test_a_publish_killed_in_the_bucket_leaves_no_object_behind(where, tmp_path,
     monkeypatch.setattr(meshtx.data, "ABANDONED_AGE", 0)
     prepare_data(tmp_path / "a.txt", f"{where}/ds", ByteTokenizer(), seq=15, progress=False)
     assert listing(f"{where}/ds") == ["header.json", "tokens.bin"]
+
+
+@pytest.fixture
+def objects_only(gcs_bucket, monkeypatch):
+    """A proxy in front of the emulator that answers 403 to reading a bucket's metadata, as GCS answers credentials
+    that may read and write its objects only (roles/storage.objectAdmin); gcsfs goes through it from now on."""
+    import http.client, re, threading
+    from http.server import ThreadingHTTPServer, BaseHTTPRequestHandler
+    up = os.environ["STORAGE_EMULATOR_HOST"].removeprefix("http://").split(":")
+    class Proxy(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        def log_message(self, *a): pass
+        def forward(self):
+            n = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(n) if n else None
+            if self.command == "GET" and re.fullmatch(r"/storage/v1/b/[^/?]+(\?.*)?", self.path):
+                status, data, headers = 403, b'{"error": {"code": 403, "message": "no storage.buckets.get access"}}', []
+            else:
+                c = http.client.HTTPConnection(up[0], int(up[1]), timeout=60)
+                c.request(self.command, self.path, body=body, headers={k: v for k, v in self.headers.items()
+                                                                      if k.lower() not in ("host", "connection", "transfer-encoding")})
+                r = c.getresponse(); status, data, headers = r.status, r.read(), r.getheaders()
+            self.send_response(status)
+            for k, v in headers:
+                if k.lower() not in ("content-length", "transfer-encoding", "connection"): self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = forward
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    fs, _ = filesystem(gcs_bucket)
+    fs.mkdir(bucket := f"empty-{uuid.uuid4().hex[:8]}")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{server.server_address[1]}")
+    yield f"gs://{bucket}"
+    server.shutdown()
+
+
+def test_credentials_for_objects_only_save_into_an_empty_bucket(objects_only, tmp_path, monkeypatch):
+    "Without storage.buckets.get, an empty bucket looked missing: the save was refused as 'does not exist'."
+    monkeypatch.setenv("MESHTX_REMOTE_CACHE", str(tmp_path / "cache"))
+    lm = LM.init(ModelConfig(**TINY), tokenizer=ByteTokenizer())
+    lm.save(f"{objects_only}/m")
+    assert LM.load(f"{objects_only}/m", progress=False).config.d_model == 64
+    with pytest.raises(FileNotFoundError, match="bucket gs://no-such-bucket-y does not exist"):
+        lm.save("gs://no-such-bucket-y/m")
