@@ -75,15 +75,17 @@ def _add_info(sub):
 
 # %% ../nbs/12_cli.ipynb #61a4622c
 def _stored_dtype(path) -> str:
-    """The dtype a Hugging Face checkpoint's weights are in: its safetensors' own (one dtype in the first file's header),
-    else what config.json says, else float32."""
+    """The dtype a Hugging Face checkpoint's weights are in: their own (one dtype in its first weight file, the one the
+    loader reads: not another safetensors file beside it, such as an adapter's), else what config.json says, else float32."""
     from meshtx.storage import read_json
-    from meshtx.weights import _Safetensors
+    from meshtx.weights import _Safetensors, checkpoint_files, _torch_file
     names = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
     try:
-        kinds = {dt for _, dt in _Safetensors(sorted(Path(path).glob("*.safetensors"))[0]).where.values()}
-        if len(kinds) == 1 and (dt := names.get(kinds.pop())): return dt
-    except Exception: pass   # none, or not readable: the loader says why
+        first = checkpoint_files(path)[0]
+        kinds = ({names.get(dt) for _, dt in _Safetensors(first).where.values()} if first.suffix == ".safetensors"
+                 else {str(dt) for dt in _torch_file(first).dtypes.values()})
+        if len(kinds) == 1 and (dt := kinds.pop()) in names.values(): return dt
+    except Exception: pass   # not readable: the loader says why
     c = read_json(Path(path) / "config.json")
     dt = c.get("dtype") or c.get("torch_dtype")
     return dt if dt in ("float32", "bfloat16", "float16") else "float32"

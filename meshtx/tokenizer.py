@@ -38,7 +38,9 @@ class _Encoding:
     def __init__(self, ids): self.input_ids = ids
 
 class ByteTokenizer:
-    "UTF-8 bytes as tokens 0-255, `<|endoftext|>` as 256."
+    """UTF-8 bytes as tokens 0-255, and 256 the end-of-text token (`eos_token_id`), which only the model or
+    `prepare_data` puts in: text is only ever bytes (a prompt's `"<|endoftext|>"` is its 13 bytes), and decoding
+    leaves 256 out."""
     eos_token_id = 256
     eos_token = "<|endoftext|>"
     FILE = "meshtx_tokenizer.json"

@@ -13,12 +13,15 @@ from fastcore.basics import patch
 from .storage import pread_into, drop_cached
 
 # %% auto #0
-__all__ = ['TorchFile']
+__all__ = ['LegacyFormat', 'TorchFile']
 
 # %% ../nbs/02b_torchfile.ipynb #70be44e9
 _LEGACY = ("torch's legacy (non-zip) format, or a bare pickle, which meshtx cannot read safely without torch. "
            "Re-save it with a current torch (torch.save(torch.load(f, weights_only=True), new_f)), "
            "or convert it to safetensors")
+
+class LegacyFormat(ValueError):
+    "A file in torch's legacy (pre-zip) format, or a bare pickle: what only `torch.load(weights_only=True)` reads."
 
 def _q(x, n=200) -> str:
     "`repr(x)`, cut to `n` characters: an error message never quotes more than that of a file."
@@ -30,7 +33,7 @@ def _open_zip(fn) -> zipfile.ZipFile:
     with open(fn, "rb") as f: head = f.read(4)
     if head != b"PK\x03\x04":
         if not head: raise ValueError(f"{fn} is empty")
-        if head[:1] == b"\x80": raise ValueError(f"{fn} is in {_LEGACY}")   # a pickle's PROTO opcode
+        if head[:1] == b"\x80": raise LegacyFormat(f"{fn} is in {_LEGACY}")   # a pickle's PROTO opcode
         raise ValueError(f"{fn} is not a PyTorch checkpoint: it starts with {_q(head)}, not a zip's b'PK\\x03\\x04'")
     try: return zipfile.ZipFile(fn)
     except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:   # no directory at the end: a cut-off download
@@ -184,11 +187,16 @@ def _archive(fn, zf: zipfile.ZipFile) -> str:
     return pkls[0][:-len("data.pkl")]
 
 def _member(fn, zf: zipfile.ZipFile, name: str, default=None) -> bytes:
-    "The bytes of small member `name` (checked against its CRC), or `default` if it is missing."
-    try: return zf.read(name)
+    """The bytes of small member `name` (checked against its CRC), or `default` if it is missing. torch.save stores
+    members as they are: a compressed one (a few kilobytes that inflate to gigabytes) is refused before it is read."""
+    try: info = zf.getinfo(name)
     except KeyError:
         if default is None: raise ValueError(f"{fn} has no {_q(name)}: the file is damaged or incomplete") from None
         return default
+    if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 1:
+        raise ValueError(f"{fn}: member {_q(name)} is compressed or encrypted; torch.save stores members as they are, "
+                         "so this file was not written by torch and is not read")
+    try: return zf.read(info)
     except Exception as e: raise ValueError(f"{fn}: cannot read {_q(name)} ({_q(str(e))}); the file is damaged") from None
 
 # %% ../nbs/02b_torchfile.ipynb #ba2f7f81

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from .config import ModelConfig, DTYPES
 from .model import param_shapes
 from .families import hf_layout, ignored, IGNORED
-from .torchfile import TorchFile
+from .torchfile import TorchFile, LegacyFormat
 from .storage import pread_into, drop_cached, read_json, write_file, replace_dir, shorten
 
 # %% auto #0
@@ -121,16 +121,26 @@ class _LegacyTorch:
 def _torch_file(fn):
     "A reader of a `pytorch_model.bin`: `TorchFile` (no torch, no code), or `_LegacyTorch` for torch's legacy format."
     try: return TorchFile(fn)
-    except ValueError as e:
-        if "legacy" not in str(e): raise
-        return _LegacyTorch(fn, str(e))
+    except LegacyFormat as e: return _LegacyTorch(fn, str(e))   # (decided by the file's first bytes, not by a message)
+
+def _index_names(path) -> dict:
+    "`{tensor: file name}` from the checkpoint's index (a sharded checkpoint's `weight_map`), or {} without one."
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (Path(path) / index).exists(): return read_json(Path(path) / index).get("weight_map") or {}
+    return {}
 
 def open_checkpoint(path) -> dict:
-    "`{tensor name: reader}` over every file of the checkpoint in `path`."
-    readers = {}
+    """`{tensor name: reader}` over every file of the checkpoint in `path`. A tensor in two files (a stale copy left
+    in another shard) is read from the file its index names; where none names either, that is an error naming both."""
+    readers, found, named = {}, {}, _index_names(path)
     for fn in checkpoint_files(path):
         r = _Safetensors(fn) if fn.suffix == ".safetensors" else _torch_file(fn)
-        for k in r.shapes: readers[k] = r
+        for k in r.shapes:
+            if k in found and named.get(k) != fn.name:
+                if named.get(k) is not None: continue   # the index names another file: that one's is read
+                raise ValueError(f"tensor {k!r} is in both {found[k]} and {fn}, and the index names neither: which "
+                                 "one is the model's cannot be told")
+            readers[k], found[k] = r, fn
     return readers
 
 # %% ../nbs/02_weights.ipynb #6c8a8ad7

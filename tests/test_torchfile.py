@@ -420,3 +420,28 @@ def test_streaming_memory(tmp_path):
     whole = _stream(tmp_path / "big.bin", rows)   # the same measurement sees a whole read: one copy of the tensor
     print(f"peak grew by {whole['grew_kb'] / 1024:.1f} MB reading it whole")
     assert whole["sha"] == sha and 0.9 * nbytes < whole["grew_kb"] * 1024 < 1.2 * nbytes
+
+
+def test_a_compressed_data_pkl_is_refused_before_it_is_inflated(tmp_path):
+    "torch.save stores members as they are: a deflated data.pkl (a zip bomb: KB that inflate to GB) is not read."
+    torch = pytest.importorskip("torch")
+    torch.save({"w": torch.ones(3)}, tmp_path / "real.bin")
+    prefix, members = _members(tmp_path / "real.bin")
+    members["data.pkl"] = pickle.dumps({}, protocol=2)[:-1] + b"N" * (1 << 20) + b"0" * (1 << 20) + b"."   # inflates to 2 MB
+    with zipfile.ZipFile(tmp_path / "bomb.bin", "w", zipfile.ZIP_STORED) as z:
+        for name, data in members.items():
+            z.writestr(f"{prefix}/{name}", data, compress_type=zipfile.ZIP_DEFLATED if name == "data.pkl" else zipfile.ZIP_STORED)
+    assert (tmp_path / "bomb.bin").stat().st_size < 100_000
+    with pytest.raises(ValueError, match=r"bomb\.bin: member '.*data\.pkl' is compressed"): TorchFile(tmp_path / "bomb.bin")
+
+
+def test_the_legacy_fallback_is_chosen_by_the_file_not_by_a_word_in_a_message(tmp_path):
+    "A damaged zip in a folder named 'legacy_models' is reported as a damaged zip, not handed to torch.load."
+    torch = pytest.importorskip("torch")
+    from meshtx.weights import _torch_file
+    (tmp_path / "legacy_models").mkdir()
+    torch.save({"w": torch.randn(64, 64)}, tmp_path / "ok.bin")
+    (tmp_path / "legacy_models" / "cut.bin").write_bytes((tmp_path / "ok.bin").read_bytes()[:2000])
+    with pytest.raises(ValueError, match="is a truncated or damaged zip"): _torch_file(tmp_path / "legacy_models" / "cut.bin")
+    torch.save({"w": torch.ones(3)}, tmp_path / "old.bin", _use_new_zipfile_serialization=False)
+    assert _torch_file(tmp_path / "old.bin").shapes == {"w": (3,)}   # torch's legacy format: torch.load(weights_only=True)

@@ -391,3 +391,28 @@ def test_device_pieces_are_written_one_chunk_at_a_time(hf_checkpoint, monkeypatc
     got = W.load_hf_params(path, CFG, progress=False, chunk_bytes=1000)   # a few rows per chunk: many per piece
     for mod, ps in want.items():
         for p, x in ps.items(): np.testing.assert_array_equal(np.asarray(got[mod][p]), np.asarray(x), err_msg=f"{mod}/{p}")
+
+
+def test_a_stale_copy_of_a_tensor_in_another_shard_is_not_read(hf_checkpoint):
+    "The index says which shard holds each tensor: a zeroed copy left in another is not the model's (it was read if last)."
+    path, model = hf_checkpoint(CFG, max_shard_size="50KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    name = "transformer.wte.weight"
+    for other in sorted(f for f in set(index["weight_map"].values()) if f != index["weight_map"][name])[-2:]:
+        stale = load_file(path / other)
+        stale[name] = np.zeros_like(load_file(path / index["weight_map"][name])[name])
+        save_file(stale, path / other, metadata={"format": "pt"})
+    assert_same_model(LM.from_hf(path, dtype="float32", progress=False), model)
+    del index["weight_map"][name]   # and with no index naming it: which copy is the model's cannot be told
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"tensor '{name}' is in both .* and the index names neither"):
+        LM.from_hf(path, dtype="float32", progress=False)
+
+
+def test_convert_keeps_the_weights_dtype_beside_another_safetensors_file(hf_checkpoint):
+    "An adapter's bf16 safetensors beside float32 weights: the weights' dtype is theirs (it was the first file's by name)."
+    import ml_dtypes
+    from meshtx.cli import _stored_dtype
+    path, _ = hf_checkpoint(CFG)
+    save_file({"a": np.zeros((2, 2), ml_dtypes.bfloat16)}, path / "adapter_model.safetensors")
+    assert _stored_dtype(path) == "float32"
