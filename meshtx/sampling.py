@@ -345,17 +345,37 @@ def _row_options(B: int, **options) -> dict:
         o["seed"] = ((o["seed"].astype(np.uint64) + np.arange(B, dtype=np.uint64)) % 2**32).astype(np.uint32)
     return o
 
+# %% ../nbs/05_sampling.ipynb #0fa7610f
+_BYTE_TOKEN, _FACTS = re.compile(r"<0x[0-9A-Fa-f]{2}>"), {}   # id(tokenizer): (tokenizer, its facts)
+
+def _facts(tok) -> tuple[frozenset, bool, int | None]:
+    "Tokenizer `tok`'s byte tokens (`<0xNN>`), whether decoding alone drops a first token's space, and the BOS it adds."
+    if (hit := _FACTS.get(id(tok))) is not None and hit[0] is tok: return hit[1]
+    vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}
+    byte_ids, strips, bos = frozenset(i for s, i in vocab.items() if _BYTE_TOKEN.fullmatch(s)), False, None
+    try:
+        ids = tok.encode("a a", add_special_tokens=False)
+        strips = any(tok.decode(ids) != tok.decode(ids[:k]) + tok.decode(ids[k:]) for k in range(1, len(ids)))
+        b = getattr(tok, "bos_token_id", None)
+        bos = b if b is not None and list(tok.encode("a"))[:1] == [b] else None
+    except (AttributeError, TypeError): pass
+    _FACTS[id(tok)] = (tok, facts := (byte_ids, strips, bos))
+    return facts
+
 # %% ../nbs/05_sampling.ipynb #5630c15e
 def _fit(lm: LM, ids: list, max_new, truncate) -> list:
     "The prompts `ids`, each fitted into `n_ctx` with its `max_new` `[B]` new tokens (`truncate='left'`), or a ValueError."
     if truncate not in (None, "left"): raise ValueError(f"truncate={truncate!r} must be None or 'left'")
     n_ctx, n_new = lm.config.n_ctx, int(max_new.max())
+    bos = _facts(lm.tokenizer)[2] if lm.tokenizer is not None else None
     if n_new >= n_ctx: raise ValueError(f"max_new_tokens={n_new} leaves no room for a prompt in n_ctx={n_ctx}")
     ids = list(ids)
     for i, p in enumerate(ids):
         room = n_ctx - int(max_new[i])
         if len(p) > room:
-            if truncate == "left": ids[i] = p[len(p) - room:]
+            if truncate == "left":   # the start-of-text token the tokenizer added stays, as HF's truncation keeps it
+                keep = int(bos is not None and int(p[0]) == bos)
+                ids[i] = list(p[:keep]) + list(p[len(p) - room + keep:])
             else: raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new[i]} that exceeds "
                                    f"n_ctx={n_ctx} (pass truncate='left' to keep the newest tokens)")
     return ids
@@ -399,13 +419,20 @@ def cut_at_stop(text: str, stop_strings) -> tuple[str, bool]:
     cut = min((i for i in (text.find(s) for s in stop_strings) if i >= 0), default=-1)
     return (text, False) if cut < 0 else (text[:cut], True)
 
-def token_text(lm: LM, toks, eos: int) -> str:
-    """The text of generated tokens `toks`, without the end-of-text token `eos` (nor, where `eos` is the model's own, one
-    of its other end tokens that ends them: `end_token_ids`); empty for a model without a tokenizer."""
-    if lm.tokenizer is None: return ""
+def token_text(lm: LM, toks, eos: int, prompt=(), final: bool = True) -> str:
+    """The text of generated tokens `toks` as it continues `prompt` (its token ids), without the end-of-text token `eos`
+    (nor, where `eos` is the model's own, one of its other end tokens that ends them: `end_token_ids`); unless `final`,
+    less a trailing run of byte tokens, whose text may still change. Empty for a model without a tokenizer."""
+    if (tok := lm.tokenizer) is None: return ""
     toks = [t for t in toks if t != eos]
     if toks and eos == lm.eos_token_id and toks[-1] in lm.config.end_token_ids: toks = toks[:-1]
-    return lm.tokenizer.decode(toks)
+    byte_ids, strips, _ = _facts(tok)
+    while not final and toks and toks[-1] in byte_ids: toks = toks[:-1]
+    text, specials = tok.decode(toks), set(getattr(tok, "all_special_ids", ()))
+    last = next((t for t in reversed(list(prompt)) if t not in specials), None)
+    if not (strips and toks and last is not None): return text
+    head, both = tok.decode([last]), tok.decode([last] + toks)   # decoded after the prompt's last token, past its text
+    return both[len(head):] if both.startswith(head) else text
 
 # %% ../nbs/05_sampling.ipynb #e2a8ee90
 def _ends_with(toks, stops):
@@ -425,33 +452,33 @@ def _tops(state, B, k: int) -> list | None:
     return [[dict(zip(ids[i, t, :k].tolist(), lps[i, t, :k].tolist())) | {int(out[i, t]): float(chosen[i, t])}
              for t in range(length[i])] for i in range(B)]
 
-def _finish(lm: LM, state, B, eos, stops, stop_strings, want_logprobs, k=None) -> Generation:
+def _finish(lm: LM, state, B, eos, stops, stop_strings, want_logprobs, k=None, prompts=None) -> Generation:
     out, length, logp = (_host(x) for x in (state.out, state.length, state.logp))
     texts, tokens, reasons, lps = [], [], [], []
     for i in range(B):
         toks = out[i, :length[i]].tolist()
-        text, hit = cut_at_stop(token_text(lm, toks, eos), stop_strings)
+        text, hit = cut_at_stop(token_text(lm, toks, eos, prompts[i] if prompts else ()), stop_strings)
         ended = hit or (bool(toks) and toks[-1] == eos) or _ends_with(toks, stops)
         texts.append(text); tokens.append(toks); lps.append(logp[i, :length[i]].tolist())
         reasons.append("stop" if ended else "length")
     return Generation(texts, tokens, reasons, lps if want_logprobs else None, _tops(state, B, k))
 
 # %% ../nbs/05_sampling.ipynb #b61621d8
-def _first_stop(lm: LM, toks, eos, stop_strings, start: int = 0):
-    "The fewest tokens of `toks` whose text holds a stop string (searched from `start`), or None."
-    if not cut_at_stop(token_text(lm, toks, eos), stop_strings)[1]: return None
-    lo, hi = start, len(toks)        # the text of `hi` tokens holds one; of `lo`, none (once decoded, text only grows)
-    while hi - lo > 1:
+def _first_stop(lm: LM, toks, eos, stop_strings, start: int = 0, prompt=()):
+    "The fewest tokens of `toks` (after `prompt`) whose text holds a stop string (searched from `start`), or None."
+    if not cut_at_stop(token_text(lm, toks, eos, prompt), stop_strings)[1]: return None
+    lo, hi = start, len(toks)        # the text of `hi` tokens holds one; of `lo`, none (text only grows, but for the
+    while hi - lo > 1:               # U+FFFD of a trailing byte run, which no stop string holds)
         mid = (lo + hi) // 2
-        if cut_at_stop(token_text(lm, toks[:mid], eos), stop_strings)[1]: hi = mid
+        if cut_at_stop(token_text(lm, toks[:mid], eos, prompt), stop_strings)[1]: hi = mid
         else: lo = mid
     return hi
 
-def _end_at_stop_strings(lm: LM, state, B, eos, stop_strings, checked):
+def _end_at_stop_strings(lm: LM, state, B, eos, stop_strings, checked, prompts=None):
     "End each live row whose text reaches a stop string at the token that completes it (`checked`: rows' lengths seen before)."
     out, length, done = (np.array(_host(x)) for x in (state.out, state.length, state.done))
-    hits = {i: _first_stop(lm, out[i, :length[i]].tolist(), eos, stop_strings, checked[i])   # rows ended in this call too
-            for i in range(B) if length[i] > checked[i]}                                    # (at their length or end token)
+    hits = {i: _first_stop(lm, out[i, :length[i]].tolist(), eos, stop_strings, checked[i], prompts[i] if prompts else ())
+            for i in range(B) if length[i] > checked[i]}       # rows ended in this call too (at their length or end token)
     hits = {i: k for i, k in hits.items() if k is not None}
     checked[:B] = length[:B]
     if not hits: return state
@@ -459,13 +486,13 @@ def _end_at_stop_strings(lm: LM, state, B, eos, stop_strings, checked):
     return state._replace(length=jax.device_put(length, state.length.sharding), done=jax.device_put(done, state.done.sharding))
 
 # %% ../nbs/05_sampling.ipynb #9409ecf0
-def _chunks(lm: LM, run, state, B, eos, stop_strings, chunk) -> Iterator[State]:
+def _chunks(lm: LM, run, state, B, eos, stop_strings, chunk, prompts=None) -> Iterator[State]:
     "Run the decode loop `chunk` steps per device call, ending rows at stop strings in between; yield each new state."
     N, checked = state.out.shape[1], np.zeros(B, np.int64)
     while True:
         until = min(int(state.step) + chunk, N)
         state = run(state, until=until)
-        if stop_strings: state = _end_at_stop_strings(lm, state, B, eos, stop_strings, checked)
+        if stop_strings: state = _end_at_stop_strings(lm, state, B, eos, stop_strings, checked, prompts)
         yield state
         if _host(state.done)[:B].all() or until >= N: return
 
@@ -486,23 +513,23 @@ class Stream:
     """What `generate(stream=True)` returns: an iterator of `(row, new text)` pieces, `chunk` decode steps per device
     call. Once it is exhausted, `finish_reasons`, `tokens` and `top_logprobs` hold each row's, as in `Generation`;
     while it runs, `lengths` holds how many tokens each row has made so far (as of the last device call)."""
-    def __init__(self, lm: LM, run, state, B, eos, stops, stop_strings, chunk, k=None):
+    def __init__(self, lm: LM, run, state, B, eos, stops, stop_strings, chunk, k=None, prompts=None):
         self.finish_reasons = self.tokens = self.top_logprobs = self.lengths = None
-        self._pieces = self._produce(lm, run, state, B, eos, stops, stop_strings, chunk, k)
+        self._pieces = self._produce(lm, run, state, B, eos, stops, stop_strings, chunk, k, prompts or [()] * B)
     def __iter__(self): return self
     def __next__(self): return next(self._pieces)
     def close(self): self._pieces.close()
 
-    def _produce(self, lm, run, state, B, eos, stops, stop_strings, chunk, k):
+    def _produce(self, lm, run, state, B, eos, stops, stop_strings, chunk, k, prompts):
         sent = [""] * B
-        for state in _chunks(lm, run, state, B, eos, stop_strings, chunk):
+        for state in _chunks(lm, run, state, B, eos, stop_strings, chunk, prompts):
             out, length, done = (_host(x) for x in (state.out, state.length, state.done))
             self.lengths = length[:B].tolist()
             for i in range(B):
-                text = _shown(token_text(lm, out[i, :length[i]].tolist(), eos), stop_strings, done[i])
+                text = _shown(token_text(lm, out[i, :length[i]].tolist(), eos, prompts[i], done[i]), stop_strings, done[i])
                 if len(text) > len(sent[i]) and text.startswith(sent[i]):
                     yield i, text[len(sent[i]):]; sent[i] = text
-        g = _finish(lm, state, B, eos, stops, stop_strings, False, k)
+        g = _finish(lm, state, B, eos, stops, stop_strings, False, k, prompts)
         self.finish_reasons, self.tokens, self.top_logprobs = g.finish_reasons, g.tokens, g.top_logprobs
 
 # %% ../nbs/05_sampling.ipynb #54086376
@@ -546,11 +573,11 @@ def generate(lm: LM, prompts, max_new_tokens=64, temperature=1.0, top_k=None, to
     fns, call = _compiled(lm), _on_weights(lm)
     state = _start(lm, fns, call, tokens, mask, B, N, kb)
     run = partial(call, fns.decode, opts=opts, limit=limit, eos=eos, stops=stops)
-    if stream: return Stream(lm, run, state, B, eos, stops, stop_strings, steps_per_call, k)
+    if stream: return Stream(lm, run, state, B, eos, stops, stop_strings, steps_per_call, k, ids)
     if stop_strings:   # the host compares the text every `steps_per_call` steps, and ends the rows that reach a stop string
-        for state in _chunks(lm, run, state, B, eos, stop_strings, steps_per_call): pass
+        for state in _chunks(lm, run, state, B, eos, stop_strings, steps_per_call, ids): pass
     else: state = run(state, until=N)
-    return _finish(lm, state, B, eos, stops, stop_strings, logprobs, k)
+    return _finish(lm, state, B, eos, stops, stop_strings, logprobs, k, ids)
 
 # %% ../nbs/05_sampling.ipynb #16d34bae
 _STOP_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}

@@ -574,7 +574,7 @@ def _drain(self: Batcher, rows: list, pieces, stream=False, on_piece=None) -> li
     eos, stop, out = self.lm.stop_token_id, list(rows[0][0].stop or ()), []   # the text as `generate` gives it (`_finish`)
     tops = getattr(pieces, "top_logprobs", None) or [None] * len(rows)
     for (j, i), why, toks, top in zip(rows, pieces.finish_reasons, pieces.tokens, tops):
-        r = dict(text=cut_at_stop(token_text(self.lm, toks, eos), stop)[0], finish_reason=why, completion_tokens=len(toks),
+        r = dict(text=cut_at_stop(token_text(self.lm, toks, eos, j.ids[i]), stop)[0], finish_reason=why, completion_tokens=len(toks),
                  prompt_tokens=len(j.ids[i]), prompt_text=self._prompt_text(j.prompt(i)))
         out.append(r | (self._scored(j, i, toks, top, r) if top is not None else {}))
     return out
@@ -611,7 +611,9 @@ def _scored(self: Batcher, job: Job, row: int, toks, tops, r: dict) -> dict:
     if job.logprobs is None: return out
     keep = [k for k, t in enumerate(toks) if t != self.lm.stop_token_id]   # the end of text is not text
     start, kept = (len(r["prompt_text"]) if job.echo else 0), [toks[k] for k in keep]
-    at = [start + o for o in self._offsets(kept, token_text(self.lm, kept, self.lm.stop_token_id))]
+    alone, text = (token_text(self.lm, kept, self.lm.stop_token_id, p) for p in ((), job.ids[row]))
+    lead = len(text) - len(alone) if text.endswith(alone) else 0   # the space the first token's text regains after the prompt
+    at = [start + o + (lead if k else 0) for k, o in enumerate(self._offsets(kept, alone))]
     gen = self._entries(kept, [lps[k] for k in keep], [tops[k] for k in keep], job.logprobs, at)
     if self.lm.tokenizer is not None:   # nothing past a stop string (without a tokenizer there are none, nor text)
         gen = [e for e in gen if e["offset"] - start < len(r["text"])]
@@ -795,7 +797,7 @@ def _advance(self: Batcher):
         self.decode_calls += 1
         for f in ended: self._ended(*self._active.pop(f.row), f)
         for r, (job, i) in self._active.items():
-            if job.stream: self._push_text(job, i, token_text(self.lm, self.slots.tokens(r), self.slots.eos), False)
+            if job.stream: self._push_text(job, i, self.slots.text(r), False)
     self.busy = len(self._active)
 
 # %% ../nbs/10_serve.ipynb #26e647a1

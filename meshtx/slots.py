@@ -156,6 +156,7 @@ class Slots:
         self.busy = [False] * B                 # a generation runs in the row
         self._strings = [[] for _ in range(B)]  # each row's stop strings, which the host finds in the text
         self._prompt, self._generated = [0] * B, [0] * B
+        self._context = [[] for _ in range(B)]  # each row's prompt (its ids), which its text continues
         self._tops = [None] * B                 # the likeliest tokens each row asked for (None: not asked)
         self._checked, self._out = np.zeros(B, np.int64), np.zeros((B, N), np.int32)
 
@@ -209,6 +210,7 @@ def add(self: Slots, prompts, max_new_tokens=64, temperature=1.0, top_k=None, to
         for name in _OPTIONS: self._opts[name][r] = max(o[name][i], 0) if name == "top_k" else o[name][i]
         self._bias[r], self._limit[r], self._stops[r], self._strings[r] = bias[i], o["max_new_tokens"][i], stops, strings
         self.busy[r], self._checked[r], self._prompt[r], self._generated[r], self._tops[r] = True, 0, len(ids[i]), 0, tops[i]
+        self._context[r] = list(ids[i])
     self._device = None
     return free[:n]
 
@@ -249,7 +251,7 @@ def step(self: Slots, steps: int = 8) -> list[Finished]:
         self._generated[r], toks = int(length[r]), out[r, :length[r]].tolist()
         if self._strings[r] and length[r] > self._checked[r]:   # the text's stop strings: the host's to find (in a row
                                                                 # that ended in this call at its length, too)
-            cut = _first_stop(self.lm, toks, self.eos, self._strings[r], int(self._checked[r]))
+            cut = _first_stop(self.lm, toks, self.eos, self._strings[r], int(self._checked[r]), self._context[r])
             self._checked[r] = length[r]
             if cut is not None: toks, done[r], hits = toks[:cut], True, True
         if done[r]: ended.append(self._finish(r, toks))
@@ -262,7 +264,7 @@ def step(self: Slots, steps: int = 8) -> list[Finished]:
 def _finish(self: Slots, r: int, toks: list) -> Finished:
     "Row `r`'s generation, `toks`, as a `Finished` (as `generate` would give it); the row is free again."
     self.busy[r] = False
-    text, hit = cut_at_stop(token_text(self.lm, toks, self.eos), self._strings[r])
+    text, hit = cut_at_stop(token_text(self.lm, toks, self.eos, self._context[r]), self._strings[r])
     ended = hit or (bool(toks) and toks[-1] == self.eos) or _ends_with(toks, self._stops[r])
     lps, tops, k = _host(self.state.logp[r, :len(toks)]).tolist(), None, self._tops[r]
     if k is not None:   # of the bucket computed, the likeliest the row asked for
@@ -272,8 +274,13 @@ def _finish(self: Slots, r: int, toks: list) -> Finished:
 
 @patch
 def tokens(self: Slots, row: int) -> list:
-    "The tokens busy row `row` has generated so far (as of the last `step`): what a stream shows."
+    "The tokens busy row `row` has generated so far (as of the last `step`)."
     return self._out[row, :self._generated[row]].tolist()
+
+@patch
+def text(self: Slots, row: int) -> str:
+    "The text of busy row `row` so far that no later token can change (a trailing run of byte tokens waits): what a stream sends."
+    return token_text(self.lm, self.tokens(row), self.eos, self._context[row], final=False)
 
 @patch
 def drop(self: Slots, row: int):

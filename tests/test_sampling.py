@@ -354,3 +354,74 @@ def test_top_logprobs_sizes_and_stops_compile_a_few_programs():
     for stop in ([5], [[5, 6, 7]], [[1]] * 16, [list(range(1, 65))], None, []):
         lm.generate([[1, 2]], max_new_tokens=4, temperature=0, stop=stop)
     assert fns.decode._cache_size() == d1
+
+
+def sp_tokenizer():
+    "A tiny Llama-2-style tokenizer, built offline: Metaspace, byte fallback (`<0xNN>`), a Strip decoder, adds `<s>`."
+    import json
+    from tokenizers import Tokenizer, models, trainers, pre_tokenizers, normalizers
+    from meshtx.config import quiet_transformers
+    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    t.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    t.train_from_iterator(["meshtx runs the families one two three on one chip"] * 4,
+                          trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "<s>", "</s>"]))
+    d = json.loads(t.to_str())
+    for b in range(256): d["model"]["vocab"].setdefault(f"<0x{b:02X}>", len(d["model"]["vocab"]))
+    d["model"]["byte_fallback"] = True
+    d["decoder"] = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                    {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+    d["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                           {"Sequence": {"id": "A", "type_id": 0}}], "pair": [{"Sequence": {"id": "A", "type_id": 0}}],
+                           "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}
+    return quiet_transformers().PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(d)),
+                                                        bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def sp_lm():
+    tok = sp_tokenizer()
+    return LM.init(ModelConfig(n_layer=1, d_model=32, n_head=2, rotary_dim=8, n_vocab=len(tok), n_ctx=64), tokenizer=tok)
+
+
+def hf_pipeline_text(tok, prompt_ids, new):
+    "What HF's text-generation pipeline returns without the prompt: the whole decode, past the prompt's own."
+    return tok.decode(prompt_ids + new, skip_special_tokens=True)[len(tok.decode(prompt_ids, skip_special_tokens=True)):]
+
+
+def test_a_stream_of_byte_tokens_joins_to_the_text(sp_lm):
+    # only byte tokens: invalid runs, whose decoded text changes at its end as more bytes come (HF's ByteFallback)
+    tok = sp_lm.tokenizer
+    ban = {i: -100 for s, i in tok.get_vocab().items() if not s.startswith("<0x")}
+    kw = dict(max_new_tokens=12, temperature=1.0, seed=1, eos_token_id=None, logit_bias=ban)
+    g = sp_lm.generate("meshtx runs", **kw)
+    toks = g.tokens[0]
+    assert any(not tok.decode(toks).startswith(tok.decode(toks[:k])) for k in range(len(toks)))   # the text did change
+    assert g.texts[0] == tok.decode(toks)
+    for chunk in (1, 3):
+        assert "".join(p for _, p in sp_lm.generate("meshtx runs", stream=True, steps_per_call=chunk, **kw)) == g.texts[0]
+
+
+def test_the_completion_keeps_its_leading_space(sp_lm):
+    tok = sp_lm.tokenizer
+    one = tok.convert_tokens_to_ids("▁one")
+    kw = dict(max_new_tokens=3, temperature=0, eos_token_id=None, logit_bias={one: 100})
+    ids = tok("meshtx runs").input_ids
+    g = sp_lm.generate("meshtx runs", **kw)
+    assert g.tokens[0] == [one] * 3 and g.texts[0] == hf_pipeline_text(tok, ids, g.tokens[0]) == " one one one"
+    assert "".join(p for _, p in sp_lm.generate("meshtx runs", stream=True, steps_per_call=1, **kw)) == g.texts[0]
+    g = sp_lm.generate("meshtx runs", stop=["e o"], **kw)   # stop strings still cut where the text holds them
+    assert g.texts[0] == " on" and g.tokens[0] == [one, one] and g.finish_reasons == ["stop"]
+    assert sp_lm.generate("", **kw).texts[0] == hf_pipeline_text(tok, tok("").input_ids, [one] * 3) == "one one one"
+
+
+def test_truncate_left_keeps_the_start_token(sp_lm):
+    tok = sp_lm.tokenizer
+    prompt = "meshtx runs the families " * 20
+    g = sp_lm.generate(prompt, max_new_tokens=8, temperature=0, truncate="left", eos_token_id=None)
+    tok.truncation_side = "left"
+    hf = tok(prompt, truncation=True, max_length=64 - 8).input_ids
+    assert hf[0] == 1 and len(tok(prompt).input_ids) > len(hf)
+    assert g.tokens == sp_lm.generate([hf], max_new_tokens=8, temperature=0, eos_token_id=None).tokens
+    from meshtx.sampling import _fit
+    assert _fit(sp_lm, [tok(prompt).input_ids], np.array([8]), "left") == [hf]

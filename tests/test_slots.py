@@ -206,3 +206,21 @@ def test_the_cache_is_held_once():
     assert r.returncode == 0, r.stderr[-2000:]
     grew, cache = map(int, r.stdout.split())
     assert grew < 0.5 * cache, (grew / 1e9, cache / 1e9)
+
+
+def test_text_after_the_prompt_and_streamed_byte_runs():
+    "Rows' texts continue their prompts (a Llama-2-style first space kept); what `text` shows only grows, to the final text."
+    from test_sampling import sp_tokenizer
+    tok = sp_tokenizer()
+    lm = LM.init(ModelConfig(n_layer=1, d_model=32, n_head=2, rotary_dim=8, n_vocab=len(tok), n_ctx=64), tokenizer=tok)
+    ban = {i: -100 for s, i in tok.get_vocab().items() if not s.startswith("<0x") and s != "▁one"}
+    kw = dict(max_new_tokens=12, temperature=1.0, seed=3, logit_bias=ban)
+    slots = Slots(lm, rows=2, eos_token_id=None)
+    (r,) = slots.add(["meshtx runs"], **kw)
+    shown, done = [], []
+    while not done:
+        done = slots.step(1)
+        if not done: shown.append(slots.text(r))
+    g = lm.generate("meshtx runs", eos_token_id=None, **kw)
+    assert done[0].text == g.texts[0] and done[0].tokens == g.tokens[0]
+    assert all(s.startswith(t) for t, s in zip(shown, shown[1:] + [g.texts[0]]))
