@@ -314,7 +314,8 @@ def test_any_number_of_stop_strings(llama):
     from meshtx.sampling import MAX_STOPS
     ours, theirs = llama
     prompt = "The model"
-    free = ours.lm.generate([ours.tok_encode(prompt)], max_new_tokens=8, temperature=0).texts[0]
+    tokens = ours.lm.generate([ours.tok_encode(prompt)], max_new_tokens=8, temperature=0).tokens[0]
+    free = ours.tokenizer.decode(tokens, skip_special_tokens=True)   # the continuation decoded alone, as HFLM decodes it
     cut = free.split()[1]
     until = [f"\nstop {i}" for i in range(MAX_STOPS + 4)] + [cut]           # the one that matters is the last
     kw = {"until": until, "max_gen_toks": 8, "do_sample": False}
