@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/sampling.html.md"""
 
 # %% ../nbs/05_sampling.ipynb #72ef8b62
 from __future__ import annotations
-import dataclasses, math, re
+import contextlib, dataclasses, math, re, weakref
 from functools import partial
 from typing import TYPE_CHECKING, Iterator, NamedTuple
 import numpy as np
@@ -346,11 +346,13 @@ def _row_options(B: int, **options) -> dict:
     return o
 
 # %% ../nbs/05_sampling.ipynb #0fa7610f
-_BYTE_TOKEN, _FACTS = re.compile(r"<0x[0-9A-Fa-f]{2}>"), {}   # id(tokenizer): (tokenizer, its facts)
+_BYTE_TOKEN, _FACTS = re.compile(r"<0x[0-9A-Fa-f]{2}>"), weakref.WeakKeyDictionary()   # tokenizer: its facts (not kept alive)
 
 def _facts(tok) -> tuple[frozenset, bool, int | None]:
     "Tokenizer `tok`'s byte tokens (`<0xNN>`), whether decoding alone drops a first token's space, and the BOS it adds."
-    if (hit := _FACTS.get(id(tok))) is not None and hit[0] is tok: return hit[1]
+    try:
+        if (hit := _FACTS.get(tok)) is not None: return hit
+    except TypeError: pass   # a tokenizer that cannot be weakly referenced: worked out each time
     vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}
     byte_ids, strips, bos = frozenset(i for s, i in vocab.items() if _BYTE_TOKEN.fullmatch(s)), False, None
     try:
@@ -359,7 +361,8 @@ def _facts(tok) -> tuple[frozenset, bool, int | None]:
         b = getattr(tok, "bos_token_id", None)
         bos = b if b is not None and list(tok.encode("a"))[:1] == [b] else None
     except (AttributeError, TypeError): pass
-    _FACTS[id(tok)] = (tok, facts := (byte_ids, strips, bos))
+    facts = (byte_ids, strips, bos)
+    with contextlib.suppress(TypeError): _FACTS[tok] = facts
     return facts
 
 # %% ../nbs/05_sampling.ipynb #5630c15e
