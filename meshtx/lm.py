@@ -218,7 +218,7 @@ def _from_old_training(cls: LM, ck, step, config, dtype=None, compute_dtype=None
     for n, i in ck.tensors(step).items():
         if n.startswith("params/"): old[i["keys"][1]][i["keys"][2]] = jax.ShapeDtypeStruct(tuple(i["shape"]), i["dtype"])
     flat = {f"{m}/{p}": x for m, ps in ck.restore(step, {"params": old})[0]["params"].items() for p, x in ps.items()}
-    new = from_old_layout(flat)
+    new = from_old_layout(flat, f"{ck.directory} (step {step})")
     params = {m: {p: jax.device_put(new[f"{m}/{p}"]) for p in ps} for m, ps in param_shapes(config).items()}
     lm = cls(_with_dtype(config, dtype, compute_dtype), params, _default_tokenizer(config))
     if dtype is not None: lm.params = jax.tree.map(lambda x: x.astype(lm.config.param_dtype), lm.params)

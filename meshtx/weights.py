@@ -405,8 +405,17 @@ def write_params(d: Path, params: dict, config: ModelConfig):
     write_file(d / MESHTX_CONFIG, config.save, d / MESHTX_CONFIG)
 
 # %% ../nbs/02_weights.ipynb #7d22a6a4
-def from_old_layout(flat: dict) -> dict:
+def _check_old(name: str, shape: tuple, where) -> None:
+    "Refuse, by name, an earlier file's tensor that the rearranging in `OLD_LAYOUT` cannot take (a damaged file)."
+    rank = 4 if name == OLD_LAYOUT["gptj/blocks/attn/q"][0] else 2 if name == "gptj/lm_head/w" else 3
+    if len(shape) != rank or (rank == 4 and shape[2] != 3):
+        want = "[n_layer, d_model, 3, n_head·d_head]" if rank == 4 else f"{rank} dimensions"
+        raise ValueError(f"{where}: tensor {name!r} has shape {tuple(shape)}, but a meshtx file of the earlier layout "
+                         f"(no 'layout' in its metadata) stores it as {want}: the file is damaged or not meshtx's")
+
+def from_old_layout(flat: dict, where="an earlier meshtx checkpoint") -> dict:
     "`{'module/param': array}` of an earlier meshtx (matrices `[in, out]`, a fused `qkv`) as today's parameters."
+    for old in {o for o, _ in OLD_LAYOUT.values()} & set(flat): _check_old(old, np.shape(flat[old]), where)
     done = {new: np.ascontiguousarray(how(np.asarray(flat[old]))) for new, (old, how) in OLD_LAYOUT.items() if old in flat}
     return {k: v for k, v in flat.items() if k not in {old for old, _ in OLD_LAYOUT.values()}} | done
 
@@ -416,7 +425,9 @@ class _OldLayout:
         self.reader, self.fn, old = reader, reader.fn, {n for n, _ in OLD_LAYOUT.values()}
         self.shapes = {k: s for k, s in reader.shapes.items() if k not in old}
         for new, (name, how) in OLD_LAYOUT.items():
-            if name in reader.shapes: self.shapes[new] = how(np.empty(reader.shapes[name], np.uint8)).shape
+            if name not in reader.shapes: continue
+            _check_old(name, reader.shapes[name], reader.fn)
+            self.shapes[new] = how(np.empty(reader.shapes[name], np.uint8)).shape
     def read(self, name, rows=slice(None)) -> np.ndarray:
         if name not in OLD_LAYOUT: return self.reader.read(name, rows)
         old, how = OLD_LAYOUT[name]
