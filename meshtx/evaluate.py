@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/evaluate.html.md"""
 
 # %% ../nbs/09_evaluate.ipynb #c21c71a2
 from __future__ import annotations
-import logging, math, sys
+import json, logging, math, sys
 import numpy as np
 import jax, jax.numpy as jnp
 from tqdm.auto import tqdm
@@ -114,6 +114,19 @@ def perplexity(lm: LM, texts, max_length=None, stride=None, batch_size=8, progre
 # %% ../nbs/09_evaluate.ipynb #af412379
 _IGNORED = {"device", "max_batch_size", "trust_remote_code"}   # lm-eval passes these to every model; JAX picks devices itself
 
+def _thinking(self, enable_thinking, chat_template_args, think_end_token):
+    "HFLM's options for reasoning models: more arguments for the chat template, and what ends a generation's thinking."
+    if isinstance(chat_template_args, str): chat_template_args = json.loads(chat_template_args)   # JSON in --model_args
+    if not isinstance(chat_template_args or {}, dict):
+        raise ValueError(f"chat_template_args={chat_template_args!r} must be a dict of the chat template's arguments")
+    if enable_thinking not in (None, True, False): raise ValueError(f"enable_thinking={enable_thinking!r} must be True or False")
+    self.enable_thinking, self.chat_template_args = enable_thinking, dict(chat_template_args or {})
+    if enable_thinking is not None: self.chat_template_args["enable_thinking"] = enable_thinking
+    if isinstance(think_end_token, str) and think_end_token.isdigit(): think_end_token = int(think_end_token)   # a token id
+    if enable_thinking and think_end_token is None:
+        raise ValueError("enable_thinking=True needs think_end_token= (the text or token id that ends the thinking)")
+    self.think_end_token = think_end_token
+
 def _load_lm(pretrained, preset, dtype, seed, dp, fsdp, mp, revision) -> LM:
     "The model `--model_args` name: an `LM`, a checkpoint or hub id, or a random preset; on a mesh if `dp`/`fsdp`/`mp` ask for one."
     mesh = None
@@ -132,7 +145,8 @@ def _load_lm(pretrained, preset, dtype, seed, dp, fsdp, mp, revision) -> LM:
 class MeshtxLM(TemplateLM):
     "An lm-evaluation-harness model (`--model meshtx`) that runs a meshtx `LM`."
     def __init__(self, pretrained=None, preset=None, dtype=None, batch_size=8, max_length=None, max_gen_toks=256,
-                 seed=0, dp=None, fsdp=None, mp=None, revision=None, prefix_token_id=None, **kwargs):
+                 seed=0, dp=None, fsdp=None, mp=None, revision=None, prefix_token_id=None, enable_thinking=None,
+                 chat_template_args=None, think_end_token=None, **kwargs):
         super().__init__()
         unknown = set(kwargs) - _IGNORED   # a ValueError: `meshtx eval` reports it in one line, not a traceback
         if unknown: raise ValueError(f"unknown meshtx model arguments: {', '.join(sorted(unknown))}")
@@ -143,6 +157,7 @@ class MeshtxLM(TemplateLM):
         self.lm, self.tokenizer = lm, lm.tokenizer
         self._batch_size, self._max_gen_toks, self._seed = int(batch_size), int(max_gen_toks), int(seed)
         self._prefix_token_id = None if prefix_token_id is None else int(prefix_token_id)
+        _thinking(self, enable_thinking, chat_template_args, think_end_token)
         self._max_length = int(lm.config.n_ctx if max_length is None else max_length)
         if not 1 <= self._max_length <= lm.config.n_ctx:
             raise ValueError(f"max_length={self._max_length} must be between 1 and the model's context n_ctx={lm.config.n_ctx}")
@@ -159,6 +174,10 @@ class MeshtxLM(TemplateLM):
         return ids[-left_truncate_len:] if left_truncate_len else ids
 
     # the three kinds of request, each explained below
+    def loglikelihood(self, requests, disable_tqdm=False) -> list[tuple[float, bool]]:
+        if self.enable_thinking: raise ValueError("enable_thinking=True is for generative tasks: a loglikelihood task scores "
+                                                  "no generated text (as lm-eval's HFLM refuses it)")
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs) -> list[tuple[float, bool]]:
         return _loglikelihood_tokens(self, requests, disable_tqdm)
     def loglikelihood_rolling(self, requests, disable_tqdm=False) -> list[float]:
@@ -209,7 +228,8 @@ def apply_chat_template(self: MeshtxLM, chat_history: list[dict[str, str]], add_
                          "has no chat template")
     from jinja2.exceptions import TemplateError
     render = lambda chat: self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                             continue_final_message=not add_generation_prompt)
+                                                             continue_final_message=not add_generation_prompt,
+                                                             **self.chat_template_args)
     try: return render(chat_history)
     except TemplateError:
         _log.warning("the chat template failed: applying it again without the system message")
@@ -247,6 +267,13 @@ def _loglikelihood_rolling(self: MeshtxLM, requests, disable_tqdm=False) -> list
 # %% ../nbs/09_evaluate.ipynb #4db1501d
 _PASSED = ("top_k", "top_p", "repetition_penalty")
 
+def _answer(self: MeshtxLM, tokens) -> str:
+    "A generation's text as HFLM gives it: without special tokens, and after the last `think_end_token` if that is an id."
+    tokens, end = list(tokens), self.think_end_token
+    if isinstance(end, int) and end in tokens: tokens = tokens[len(tokens) - tokens[::-1].index(end):]
+    text = self.tokenizer.decode(tokens, skip_special_tokens=True)   # no `<unk>` or `</s>`
+    return text.lstrip() if isinstance(end, int) else text
+
 def _generate_batch(self: MeshtxLM, contexts, gen_kwargs, first_seed) -> list[str]:
     from lm_eval.models.utils import normalize_gen_kwargs, handle_stop_sequences, postprocess_generated_text
     from meshtx.sampling import MAX_STOPS
@@ -267,8 +294,8 @@ def _generate_batch(self: MeshtxLM, contexts, gen_kwargs, first_seed) -> list[st
     stop = [s for s in until if s and s != eos][:MAX_STOPS] or None   # the generation stops at these; all cut the text
     g = self.lm.generate(prompts, max_new_tokens=max_gen, temperature=temperature, stop=stop,
                          seed=[(first_seed + i) % 2**32 for i in range(len(prompts))], **opts)
-    texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in g.tokens]   # as HFLM: no `<unk>` or `</s>`
-    return [postprocess_generated_text(t, until, None) for t in texts]
+    return [postprocess_generated_text(_answer(self, t), until, None if isinstance(self.think_end_token, int) else
+                                       self.think_end_token) for t in g.tokens]
 
 # %% ../nbs/09_evaluate.ipynb #29e9bde3
 def _generate_until(self: MeshtxLM, requests, disable_tqdm=False) -> list[str]:

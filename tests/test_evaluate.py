@@ -201,7 +201,8 @@ def test_lm_eval_command_finds_meshtx_through_its_entry_point(setup, tmp_path):
 CORPUS = [d["question"] + " " + c + "." for d in QA for c in d["choices"]] + TEXTS + [
     "Hello world, the model runs.", "Question: what is the answer? Answer: the model matches the reference."]
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}[assistant] {% endif %}")
+                 "{% if add_generation_prompt %}[assistant] {% endif %}"
+                 "{% if enable_thinking is defined and not enable_thinking %}<nothink> {% endif %}")
 
 
 def _family_checkpoint(path, family):
@@ -321,3 +322,25 @@ def test_any_number_of_stop_strings(llama):
     kw = {"until": until, "max_gen_toks": 8, "do_sample": False}
     mine = _ask(ours, "generate_until", (prompt, kw))
     assert mine == _ask(theirs, "generate_until", (prompt, kw)) == [free[:free.index(cut)]], (mine, free)
+
+
+def test_thinking_options_match_hf(llama):
+    "HFLM's options for reasoning models: `enable_thinking` and `chat_template_args` reach the chat template, and "
+    "`think_end_token` (a text or a token id) keeps what follows its last occurrence, as HFLM's generations do."
+    ours, theirs = llama
+    both = lambda **kw: (MeshtxLM(pretrained=ours.lm, **kw),
+                         HFLM(pretrained=theirs.pretrained, dtype="float32", device="cpu", batch_size=1, **kw))
+    chat = [{"role": "user", "content": "The capital of France is"}]
+    for kw in ({"enable_thinking": False}, {"chat_template_args": {"enable_thinking": False}}):
+        mine, ref = both(**kw)
+        assert mine.apply_chat_template(chat) == ref.apply_chat_template(chat) and mine.apply_chat_template(chat).endswith("<nothink> ")
+    assert ours.apply_chat_template(chat).endswith("[assistant] ")   # by default the template's variable is not set
+    prompt, gen = "The model", {"until": ["\n\n"], "max_gen_toks": 8, "do_sample": False}
+    tokens = ours.lm.generate([ours.tok_encode(prompt)], max_new_tokens=8, temperature=0).tokens[0]
+    word = ours.tokenizer.decode(tokens, skip_special_tokens=True).split()[1]
+    for end in (word, int(tokens[3]), str(tokens[3])):
+        mine, ref = both(think_end_token=end)
+        assert _ask(mine, "generate_until", (prompt, gen)) == _ask(ref, "generate_until", (prompt, gen)), end
+    mine, ref = both(enable_thinking=True, think_end_token=word)
+    for m in (mine, ref):
+        with pytest.raises(ValueError, match="generative tasks"): _ask(m, "loglikelihood", ("Hello", " world"))
