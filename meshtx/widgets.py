@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/widgets.html.md"""
 
 # %% ../nbs/11_widgets.ipynb #a45f2827
 from __future__ import annotations
-import html, io, math, numbers, secrets, threading, time
+import html, io, math, numbers, secrets, shutil, threading, time
 from pathlib import Path
 import ipywidgets as W
 from fastcore.basics import patch
@@ -404,6 +404,7 @@ class FinetuneWidget(W.VBox):
         if isinstance(plot_every, bool) or not isinstance(plot_every, numbers.Integral) or plot_every < 1:
             raise ValueError(f"plot_every={plot_every!r} must be an integer ≥ 1: the steps between redraws of the plot while training")
         self.controller, self.plot_every, self.workdir, self._plotted = None, plot_every, Path(workdir), None
+        self.run_dir = None   # the current run's folder (its data and checkpoints): `workdir/run-N`
         self._eval_every, self._prompt = eval_every, sample_prompt
         self.start_button = _tag(W.Button(description="Start", button_style="success", icon="play"), "start")
         self.pause_button = _tag(W.Button(description="Pause", icon="pause", disabled=True), "pause")
@@ -511,34 +512,39 @@ def _sources(self: FinetuneWidget) -> list[str]:
 
 # %% ../nbs/11_widgets.ipynb #8e4f5a02
 @patch
-def _new_run(self: FinetuneWidget, lm: LM, train, val) -> Trainer:
+def _new_run(self: FinetuneWidget, lm: LM, train, val, run: Path) -> Trainer:
     "A `Trainer` of the form's settings for `lm` (from its base weights where a build gave it adapters); on failure `lm` is as it was."
     was, reset = dict(vars(lm)), self._added_lora and lm.lora is not None
     try:
         if reset: lm.__init__(lm.config, split_adapters(lm.params)[0], lm.tokenizer, lm.mesh, None, generation_config=lm.generation_config)
         t = Trainer(lm, train, val, lr=self.lr.value, total_steps=self.steps.value, warmup_steps=self.steps.value // 10,
-                    lora=self.lora_rank.value or None, checkpoint_dir=str(self.workdir / "checkpoints"), progress=False)
+                    lora=self.lora_rank.value or None, checkpoint_dir=str(run / "checkpoints"), progress=False)
     except BaseException:
         vars(lm).clear(); vars(lm).update(was)   # its adapters, compiled programs and lock, as before
         raise
     self._added_lora = (reset or was["lora"] is None) and lm.lora is not None
     return t
 
+def _next_run_dir(workdir: Path) -> Path:
+    "A new folder for a build's data and checkpoints: `workdir/run-N`, N one more than any there."
+    return workdir / f"run-{max((int(p.name[4:]) for p in workdir.glob('run-*') if p.name[4:].isdigit()), default=0) + 1}"
+
 @patch
 def build(self: FinetuneWidget, lm: LM):
     "What 'Prepare data' does: check the form, tokenize the data, then start a new run and attach it (or say why not)."
     from meshtx.data import prepare_data, Loader
-    info = self.data_info.value   # the current run's, shown again if this build fails
+    info, run = self.data_info.value, _next_run_dir(self.workdir)   # the current run's info, shown again if this build fails
     try:
         self._check_form(lm)
         self.error.value, self.data_info.value = "", _status_html("preparing data (tokenizing)…", busy=True)
-        data = prepare_data(self._sources(), self.workdir / "data", lm.tokenizer, self.seq.value, val_fraction=0.05, progress=False)
+        data = prepare_data(self._sources(), run / "data", lm.tokenizer, self.seq.value, val_fraction=0.05, progress=False)
         self.data_info.value = _status_html(_prepared(data.header) + " · setting up the trainer…", busy=True)
         val = Loader(data, min(self.batch.value, data.n("val")), split="val") if data.n("val") else None
-        t = self._new_run(lm, Loader(data, self.batch.value), val)
+        t = self._new_run(lm, Loader(data, self.batch.value), val, run)
     except Exception as e:
+        shutil.rmtree(run, ignore_errors=True)   # this build's own: the run before keeps its data and checkpoints
         self.error.value, self.data_info.value = _error_html(_message(e)), info
         return None
-    self.data_info.value = _status_html(_prepared(data.header))
+    self.run_dir, self.data_info.value = run, _status_html(_prepared(data.header))
     self.attach(t, self.steps.value)
     return t

@@ -267,11 +267,15 @@ def test_finetune_failed_build_keeps_the_run_and_its_adapters(tmp_path, monkeypa
     w.build_button.click()
     w.step_button.click(); assert w.controller.wait(60) and w.controller.steps_done == 1
     run, info, lora, params, compiled = w.controller, w.data_info.value, lm.lora, lm.params, lm.compiled
+    work = tmp_path / "work"
+    data = {p: p.read_bytes() for p in (work / "run-1" / "data").rglob("*") if p.is_file()}
 
     def still_the_run():
         assert w.controller is run and w.data_info.value == info and not w.start_button.disabled
         assert lm.lora == lora and lm.params is params and lm.compiled is compiled
         assert lm.generation_config == {"temperature": 0.6, "eos_token_id": [50256]}
+        assert w.run_dir == work / "run-1" and sorted(p.name for p in work.glob("run-*")) == ["run-1"]
+        assert {p: p.read_bytes() for p in (work / "run-1" / "data").rglob("*") if p.is_file()} == data   # its data as it was
 
     w.data_path.value = str(tmp_path / "a.tx")                      # a typo
     w.build_button.click()
@@ -288,6 +292,13 @@ def test_finetune_failed_build_keeps_the_run_and_its_adapters(tmp_path, monkeypa
     monkeypatch.undo()
     w.step_button.click(); assert w.controller.wait(60)             # the run goes on
     assert w.error.value == "" and w.controller.steps_done == 2
+    w.save_button.click(); assert w.controller.wait(60) and "run-1/checkpoints/step_00000002" in w.activity.value
     w.build_button.click()                                          # a new run, from the base: generation_config kept
     assert w.error.value == "" and w.controller is not run and lm.lora.rank == 4
     assert lm.generation_config == {"temperature": 0.6, "eos_token_id": [50256]}
+    # in a folder of its own: its first checkpoint is not refused for the run before's later one, which stays
+    w.step_button.click(); assert w.controller.wait(60)
+    w.save_button.click(); assert w.controller.wait(60)
+    assert w.error.value == "" and "run-2/checkpoints/step_00000001" in w.activity.value and w.run_dir == work / "run-2"
+    from meshtx.checkpoint import Checkpointer
+    assert Checkpointer(work / "run-1" / "checkpoints").steps() == [2]
