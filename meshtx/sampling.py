@@ -467,14 +467,25 @@ def _finish(lm: LM, state, B, eos, stops, stop_strings, want_logprobs, k=None, p
     return Generation(texts, tokens, reasons, lps if want_logprobs else None, _tops(state, B, k))
 
 # %% ../nbs/05_sampling.ipynb #b61621d8
+def _holds_stop(lm: LM, toks, eos, stop_strings, prompt=()) -> bool:
+    """Whether the text of `toks` holds a stop string before its trailing U+FFFD, if any: a character not yet whole,
+    which the next tokens turn into another (a stop string with U+FFFD in it matches only one that stays)."""
+    text = token_text(lm, toks, eos, prompt)
+    settled = len(text.rstrip("\ufffd"))
+    return any(0 <= (i := text.find(s)) and i + len(s) <= settled for s in stop_strings)
+
 def _first_stop(lm: LM, toks, eos, stop_strings, start: int = 0, prompt=()):
     "The fewest tokens of `toks` (after `prompt`) whose text holds a stop string (searched from `start`), or None."
-    if not cut_at_stop(token_text(lm, toks, eos, prompt), stop_strings)[1]: return None
-    lo, hi = start, len(toks)        # the text of `hi` tokens holds one; of `lo`, none (text only grows, but for the
-    while hi - lo > 1:               # U+FFFD of a trailing byte run, which no stop string holds)
+    if not _holds_stop(lm, toks, eos, stop_strings, prompt): return None
+    lo, hi = start, len(toks)        # the text of `hi` tokens holds one; of `lo`, none
+    while hi - lo > 1:
         mid = (lo + hi) // 2
-        if cut_at_stop(token_text(lm, toks[:mid], eos, prompt), stop_strings)[1]: hi = mid
+        if _holds_stop(lm, toks[:mid], eos, stop_strings, prompt): hi = mid
         else: lo = mid
+    byte_ids = _facts(lm.tokenizer)[0]   # but inside a run of byte tokens, a text may hold it, lose it ('�'), hold it again
+    for k in range(hi - 1, start, -1):
+        if toks[k - 1] not in byte_ids: break
+        if _holds_stop(lm, toks[:k], eos, stop_strings, prompt): hi = k
     return hi
 
 def _end_at_stop_strings(lm: LM, state, B, eos, stop_strings, checked, prompts=None):
@@ -505,10 +516,10 @@ def _held(text, stop_strings):
     return max((n for s in stop_strings for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
 
 def _shown(text, stop_strings, final: bool) -> str:
-    "What a stream may show of a row's `text`: cut at a stop string; unless `final`, less a half-decoded character and what may begin a stop."
+    "What a stream may show of a row's `text`: unless `final`, less a half-decoded character; cut at a stop string; unless `final`, less what may begin one."
+    if not final: text = text.rstrip("\ufffd")   # (in which no stop string is found: the character is not there yet)
     text, hit = cut_at_stop(text, stop_strings)
     if hit or final: return text
-    text = text.rstrip("\ufffd")
     return text[:len(text) - _held(text, stop_strings)]
 
 # %% ../nbs/05_sampling.ipynb #4fea86a6

@@ -25,7 +25,8 @@ import jax, jax.numpy as jnp
 
 # %% auto #0
 __all__ = ['MAX_STOP_CHARS', 'MAX_LOGPROBS', 'MAX_REQUEST_BYTES', 'RequestError', 'Job', 'parse_completions',
-           'default_complete_tokens', 'parse_complete', 'chat_prompt', 'parse_chat', 'Batcher', 'make_app', 'serve']
+           'default_complete_tokens', 'parse_complete', 'chat_prompt', 'check_chat_template', 'parse_chat', 'Batcher',
+           'make_app', 'serve']
 
 # %% ../nbs/10_serve.ipynb #47118d21
 class RequestError(Exception):
@@ -250,8 +251,19 @@ def chat_prompt(tokenizer, messages: list[dict], template: str | None = None) ->
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         return env.from_string(template).render(messages=messages, add_generation_prompt=True,
                                                 eos_token=getattr(tokenizer, "eos_token", ""), bos_token="")
-    except Exception as e:   # a template that raises (e.g. "roles must alternate") or does not parse
+    except Exception as e:   # a template that raises (e.g. "roles must alternate"): the messages'; one that does not parse: ours
+        from jinja2.exceptions import TemplateSyntaxError
+        if isinstance(e, TemplateSyntaxError):
+            raise RequestError(f"the server's chat template does not parse (line {e.lineno}): {e.message}", status=500,
+                               type="server_error") from None
         raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}", "messages") from None
+
+def check_chat_template(tokenizer, template: str | None = None) -> None:
+    "A ValueError, when a server starts, for a chat template `template` that does not parse (not a 500 at each chat)."
+    if template is None: return
+    try: chat_prompt(tokenizer, [{"role": "user", "content": "Hello"}], template)
+    except RequestError as e:
+        if e.status == 500: raise ValueError(f"--chat-template: {e.message}") from None
 
 # %% ../nbs/10_serve.ipynb #5530a040
 def parse_chat(body: dict, n_ctx: int, render) -> Job:
@@ -510,20 +522,25 @@ def _top_n(top: dict, n: int, chosen: int) -> dict:
 
 @patch
 def _entries(self: Batcher, toks, lps, tops, n: int, offsets) -> list[dict]:
-    """Per token: its text and bytes, log-probability, `n` likeliest alternatives (`{text: logprob}`, and their
-    bytes) and character offset (`offsets`)."""
+    """Per token: its text and bytes, log-probability, character offset (`offsets`) and `n` likeliest alternatives
+    (`top`: `(text, logprob, bytes)`, likeliest first, with the token itself; two tokens may have one text)."""
     out = []
     for t, lp, top, at in zip(toks, lps, tops, offsets):
-        alts = None if top is None else {a: b for a, b in _top_n(top, n, t).items()}
-        out.append(dict(token=self._piece(t), logprob=lp, top=alts and {self._piece(a): b for a, b in alts.items()},
-                        offset=at, bytes=self._token_bytes(t), top_bytes=alts and {self._piece(a): self._token_bytes(a) for a in alts}))
+        alts = None if top is None else [(self._piece(a), b, self._token_bytes(a))
+                                          for a, b in sorted(_top_n(top, n, t).items(), key=lambda kv: -kv[1])]
+        out.append(dict(token=self._piece(t), logprob=lp, top=alts, offset=at, bytes=self._token_bytes(t)))
     return out
 
 @patch
 def _piece(self: Batcher, t: int) -> str:
-    "The text of token `t` alone (kept: the same few tokens come back in every answer's alternatives)."
+    """The text of token `t` in a text (kept: the same few tokens come back in every answer's alternatives): decoded
+    alone, but with the space of a sentencepiece `▁` that decoding it alone drops (`▁the` is `' the'`)."""
     if (s := self._pieces.get(t)) is None:
-        s = self._pieces[t] = self.lm.tokenizer.decode([t]) if self.lm.tokenizer is not None else str(t)
+        tok = self.lm.tokenizer
+        s = tok.decode([t]) if tok is not None else str(t)
+        raw = tok.convert_ids_to_tokens(t) if hasattr(tok, "convert_ids_to_tokens") else None
+        if isinstance(raw, str) and raw.startswith("▁") and not s.startswith(" "): s = " " + s
+        self._pieces[t] = s
     return s
 
 # %% ../nbs/10_serve.ipynb #0fbde5ed
@@ -535,6 +552,7 @@ def _offsets(self: Batcher, ids: list, text: str) -> list[int]:
     "Where each token of `ids` starts in `text`, the text they stand for (see above)."
     tok = self.lm.tokenizer
     if tok is None: return [0] * len(ids)
+    if (at := self._byte_offsets(ids, text)) is not None: return at
     specials = set(getattr(tok, "all_special_ids", ()))
     lead = next((k for k, t in enumerate(ids) if t not in specials or text.startswith(self._piece(t))), len(ids))
     out, ids, a, base, head = [0] * lead, ids[lead:], 0, 0, ""
@@ -562,6 +580,19 @@ def _token_bytes(self: Batcher, t: int) -> list[int]:
 def _decoder(tok):
     try: return json.loads(tok.backend_tokenizer.to_str()).get("decoder")
     except Exception: return None
+
+# %% ../nbs/10_serve.ipynb #97ad4a58
+@patch
+def _byte_offsets(self: Batcher, ids: list, text: str) -> list[int] | None:
+    "Offsets from the bytes of each token of `ids`, if those spell `text` (but maybe a first space it drops); else None."
+    parts = [len(self._token_bytes(t)) for t in ids]
+    have, want = b"".join(bytes(self._token_bytes(t)) for t in ids), text.encode("utf-8")
+    skip = len(have) - len(want)
+    if skip not in (0, 1) or have[skip:] != want or have[:skip] not in (b"", b" "): return None
+    char = [i for i, c in enumerate(text) for _ in c.encode("utf-8")] + [len(text)]   # each byte's character
+    out, at = [], -skip
+    for n in parts: out.append(char[max(at, 0)]); at += n
+    return out
 
 # %% ../nbs/10_serve.ipynb #5c89e057
 @patch
@@ -940,8 +971,13 @@ def _answer(meta: dict, results: list[dict], echo: bool) -> dict:
 def _completion_logprobs(entries) -> dict | None:
     "OpenAI's `logprobs` of a completion choice, from a row's entries (None: not asked for)."
     if entries is None: return None
+    def by_text(top):   # OpenAI's `{text: logprob}`: of two tokens with one text (two bytes' '�'), the likelier
+        if top is None: return None
+        out = {}
+        for t, lp, _ in top: out.setdefault(t, lp)   # (likeliest first)
+        return out
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [e["top"] for e in entries], "text_offset": [e["offset"] for e in entries]}
+            "top_logprobs": [by_text(e["top"]) for e in entries], "text_offset": [e["offset"] for e in entries]}
 
 # %% ../nbs/10_serve.ipynb #7cec76b7
 def _chat_logprobs(entries, n: int) -> dict | None:
@@ -949,8 +985,7 @@ def _chat_logprobs(entries, n: int) -> dict | None:
     # each token's own bytes (a character split over tokens: a part each), which a client joins and decodes
     item = lambda t, lp, b: {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace")) if b is None else b}
     return {"content": [item(e["token"], e["logprob"], e.get("bytes")) | {"top_logprobs": [
-                        item(t, lp, (e.get("top_bytes") or {}).get(t)) for t, lp in sorted(e["top"].items(), key=lambda kv: -kv[1])[:n]]}
-                        for e in entries]}
+                        item(t, lp, b) for t, lp, b in (e["top"] or [])[:n]]} for e in entries]}
 
 def _chat_answer(meta: dict, results: list[dict], n_top) -> dict:
     "The body of a plain `/v1/chat/completions` answer (`n_top`: the `top_logprobs` asked for)."
@@ -1006,6 +1041,7 @@ def make_app(lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, model_name="m
              slot_len=None) -> Starlette:
     """The Starlette app serving `lm`: `/complete`, `/v1/completions`, `/v1/chat/completions`, `/v1/models` and `/stats`.
     `chat_template`: a Jinja chat template (default: the tokenizer's own); `max_request_bytes`: the largest body read."""
+    check_chat_template(lm.tokenizer, chat_template)
     batcher = Batcher(lm, max_batch, batch_wait_ms, max_queue, steps_per_call, continuous, slot_len)
     n_ctx, created = lm.config.n_ctx, int(time.time())
     read = lambda request: _read_json(request, max_request_bytes)

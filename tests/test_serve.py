@@ -510,3 +510,36 @@ def test_a_request_without_max_tokens_fills_a_row_beside_the_others(demo):
         assert job.max_tokens == 24 - n and b._continuous(job), (job.max_tokens, n)   # it fits a row, so it ran in one
         assert r[0]["text"] == greedy(demo, p, 24 - n).texts[0]
     assert b.stats()["decode_calls"] > 0
+
+
+def test_logprob_entries_of_a_sentencepiece_model_with_byte_tokens():
+    "A Llama-2-style tokenizer (Metaspace, `<0xNN>` byte fallback): offsets from the tokens' own bytes (each byte of a "
+    "character starts where it does), pieces with the space `▁` stands for, alternatives of one text ('�') each kept, "
+    "no stop string matched in a character still coming, and a chat template that does not parse refused at the start."
+    from test_sampling import sp_tokenizer
+    from meshtx.config import ModelConfig
+    from meshtx.sampling import _first_stop
+    from meshtx.serve import Batcher, RequestError, _chat_logprobs, _completion_logprobs, chat_prompt, make_app
+    tok = sp_tokenizer()
+    lm = LM.init(ModelConfig(n_layer=1, d_model=32, n_head=2, rotary_dim=8, n_vocab=len(tok), n_ctx=64), tokenizer=tok)
+    b = Batcher(lm, continuous=False)
+    ids = tok("中文😀 one", add_special_tokens=False).input_ids   # ▁, then 中's, 文's and 😀's bytes, then ▁one
+    assert len(ids) == 12 and tok.decode(ids) == "中文😀 one"
+    assert b._offsets(ids, "中文😀 one") == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 3]
+    assert b._offsets(ids[1:], "中文😀 one") == [0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 3]
+    one, x80, x81 = tok.convert_tokens_to_ids(["▁one", "<0x80>", "<0x81>"])
+    assert b._piece(one) == " one" and b._token_bytes(one) == list(b" one")
+    [e] = b._entries([x81], [-1.5], [{x80: -1.0, x81: -1.5, one: -2.0}], 3, [0])
+    assert [(t, lp) for t, lp, _ in e["top"]] == [("�", -1.0), ("�", -1.5), (" one", -2.0)]
+    assert _chat_logprobs([e], 3)["content"][0]["top_logprobs"] == [
+        {"token": "�", "logprob": -1.0, "bytes": [0x80]}, {"token": "�", "logprob": -1.5, "bytes": [0x81]},
+        {"token": " one", "logprob": -2.0, "bytes": list(b" one")}]
+    assert _completion_logprobs([e])["top_logprobs"] == [{"�": -1.0, " one": -2.0}]   # one text: the likelier
+    eos = tok.eos_token_id
+    assert [_first_stop(lm, ids[:k], eos, ["\ufffd"]) for k in range(len(ids) + 1)] == [None] * (len(ids) + 1)
+    assert _first_stop(lm, ids, eos, ["文"]) == 7   # (the tokens to 文's last byte)
+    broken = "{% for m in messages %}{{ m.content }}"
+    with pytest.raises(ValueError, match="does not parse"): make_app(lm, chat_template=broken)
+    tok.chat_template = broken   # the tokenizer's own: the server's fault (500), not the messages' (400)
+    with pytest.raises(RequestError) as e: chat_prompt(tok, [{"role": "user", "content": "Hi"}])
+    assert e.value.status == 500 and "does not parse" in e.value.message
