@@ -28,6 +28,7 @@ _top_p = _number("top_p", lambda v: 0 <= v <= 1, "between 0 and 1")
 _penalty = _number("repetition_penalty", lambda v: v > 0, "> 0 (1: none)")
 _top_k = _number("top_k", lambda v: v >= -1, "≥ 0 (0 or -1: off)", int)
 _fraction = _number("val_fraction", lambda v: 0 <= v < 1, "in [0, 1)")
+_seed = _number("seed", lambda v: 0 <= v < 2**32, "an integer in [0, 2³²)", int)
 
 # %% ../nbs/12_cli.ipynb #c2518282
 def _positive(s: str) -> int:
@@ -213,7 +214,7 @@ def _add_sample(sub):
     s = sub.add_parser("sample", help="generate text, streamed to the terminal")
     s.add_argument("--model", help="hub id, Hugging Face directory or meshtx checkpoint (local or gs://)")
     s.add_argument("--preset", help="a random model of this preset instead (demo, small, gptj-6b: those with GPT-2's tokenizer)")
-    s.add_argument("--init-seed", type=int, default=0, help="seed of the random --preset model")
+    s.add_argument("--init-seed", type=_seed, default=0, help="seed of the random --preset model")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="parameter dtype (default bfloat16 for HF)")
     s.add_argument("--prompt", help="continue this prompt and exit (default: read prompts from stdin)")
     s.add_argument("--max-new-tokens", type=_positive, default=128)
@@ -223,7 +224,7 @@ def _add_sample(sub):
     s.add_argument("--repetition-penalty", type=_penalty, help="> 1 discourages repeats (default: none)")
     s.add_argument("--stop", action="append", help="a stop sequence (repeatable); \\n, \\t, \\r are a newline, tab, carriage "
                    "return and \\\\ a backslash, so --stop '\\n' stops at the end of a line")
-    s.add_argument("--seed", type=int, help="sampling seed (default: a fresh one each run, printed to stderr as 'seed: N')")
+    s.add_argument("--seed", type=_seed, help="sampling seed (default: a fresh one each run, printed to stderr as 'seed: N')")
     s.add_argument("-q", "--quiet", action="store_true", help="print only the generated text (no prompt echo, no seed)")
     s.set_defaults(func=cmd_sample)
 
@@ -231,7 +232,10 @@ def _add_sample(sub):
 def cmd_demo(args) -> int:
     from meshtx.train import demo
     r = demo(args.out, max_steps=args.steps, seconds=args.seconds, seed=args.seed, progress=not args.quiet)
-    return 0 if r["val_loss_after"] < r["val_loss_before"] else 1
+    if r["val_loss_after"] < r["val_loss_before"]: return 0
+    print(f"meshtx: the held-out loss did not fall ({r['val_loss_before']:.3f} → {r['val_loss_after']:.3f} nats/byte in "
+          f"{r['steps']} steps; the first {min(20, r['steps'])} warm the learning rate up from 0): train longer", file=sys.stderr)
+    return 1
 
 def _add_demo(sub):
     "Add `meshtx demo` to `sub`: where it writes, how long it trains."
@@ -240,7 +244,7 @@ def _add_demo(sub):
     s.add_argument("--steps", type=_positive, default=900, help="training steps (default 900: ~2.5 min on 2 CPU cores)")
     s.add_argument("--seconds", type=_number("seconds", lambda v: v > 0, "> 0"), default=600,
                    help="stop earlier if training takes longer than this")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=_seed, default=0)
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_demo)
 
@@ -310,7 +314,7 @@ def _add_prepare_data(sub):
     s.add_argument("--tokenizer", default="gpt2", help="'gpt2' (offline), 'bytes', a hub id or a directory (default gpt2)")
     s.add_argument("--seq", type=_positive, default=2048, help="tokens per training sequence (windows hold seq + 1; default 2048)")
     s.add_argument("--val-fraction", type=_fraction, default=0.0, help="fraction of windows held out for validation (default 0)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=_seed, default=0)
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     s.set_defaults(func=cmd_prepare_data)
 
@@ -343,7 +347,10 @@ def _add_train(sub):
 # %% ../nbs/12_cli.ipynb #08269f05
 def _lora_config(args):
     "The `LoRAConfig` that `finetune --lora` asks for: what it does not say is `LoRAConfig`'s default, as in Python."
-    if args.lora is None: return None
+    if args.lora is None:
+        if args.lora_alpha is not None or args.lora_targets:
+            raise ValueError("--lora-alpha and --lora-targets shape LoRA adapters: add --lora RANK (without it, every weight is trained)")
+        return None
     from meshtx.config import LoRAConfig
     return LoRAConfig(rank=args.lora, **({} if args.lora_alpha is None else {"alpha": args.lora_alpha}),
                       **({"targets": tuple(args.lora_targets.split(","))} if args.lora_targets else {}))
@@ -380,7 +387,7 @@ def _add_finetune(sub):
                    "`meshtx plan` assumes recomputing, its --no-remat plans this)")
     s.add_argument("--save-every", type=_positive, help="also save a checkpoint every N steps (default: at the end only); "
                    "the same command again resumes an interrupted run from its last one")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=_seed, default=0)
     s.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=cmd_finetune)
 
@@ -476,7 +483,7 @@ def _add_serve(sub):
     m = s.add_mutually_exclusive_group()
     m.add_argument("--model", help="hub id, Hugging Face directory or meshtx checkpoint (local or gs://)")
     m.add_argument("--preset", help="a random model of this preset instead (tiny, demo, small, gptj-6b)")
-    s.add_argument("--init-seed", type=int, default=0, help="seed of the random --preset model")
+    s.add_argument("--init-seed", type=_seed, default=0, help="seed of the random --preset model")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     s.add_argument("--model-name", help="the model's name in the API (default: --model or --preset)")
@@ -549,11 +556,12 @@ def main(argv=None) -> int:
     else: args = parser().parse_args(argv)
     if os.environ.get("MESHTX_CACHE_DIR", "").lower() != "off":
         from meshtx.lm import enable_compilation_cache
-        enable_compilation_cache()
+        try: enable_compilation_cache()
+        except OSError as e:   # a speed-up only: the command runs without it
+            print(f"meshtx: warning: no compilation cache ({e}); set MESHTX_CACHE_DIR to a folder, or to off", file=sys.stderr)
     try:
-        with _unwinding():
-            _join_job()
-            return args.func(args)
+        _join_job()   # first: JAX waits for the job in C++, where a Python SIGTERM handler cannot run (the default ends it)
+        with _unwinding(): return args.func(args)
     except BrokenPipeError:   # `meshtx plan | head`: the reader left; nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -6,7 +6,7 @@ Docs: https://meshtx.github.io/meshtx/distributed.html.md"""
 
 # %% ../nbs/03a_distributed.ipynb #55abc62d
 from __future__ import annotations
-import functools, os
+import functools, operator, os
 import numpy as np
 import jax
 from jax.experimental import multihost_utils
@@ -22,10 +22,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                process_id: int | None = None, timeout: int = 300, **kwargs) -> None:
     "Join this process to a multi-process JAX job (arguments, then `MESHTX_*` environment variables, then auto-detection)."
     if jax.distributed.is_initialized(): return
-    env = os.environ.get
-    coordinator_address = coordinator_address or env("MESHTX_COORDINATOR")
-    if num_processes is None and env("MESHTX_NUM_PROCESSES"): num_processes = int(env("MESHTX_NUM_PROCESSES"))
-    if process_id is None and env("MESHTX_PROCESS_ID"): process_id = int(env("MESHTX_PROCESS_ID"))
+    coordinator_address = coordinator_address or os.environ.get("MESHTX_COORDINATOR")
+    if num_processes is None: num_processes = _whole_env("MESHTX_NUM_PROCESSES")
+    if process_id is None: process_id = _whole_env("MESHTX_PROCESS_ID")
+    _check_job(coordinator_address, num_processes, process_id)
     try:
         jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                    process_id=process_id, initialization_timeout=timeout, **kwargs)
@@ -33,6 +33,24 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         if coordinator_address is None and num_processes in (None, 1) and "coordinator_address" in str(e): return
         raise
 
+# %% ../nbs/03a_distributed.ipynb #07bdbf62
+def _whole_env(name: str) -> int | None:
+    "The whole number in environment variable `name` (None: unset or empty)."
+    v = os.environ.get(name, "").strip()
+    if not v: return None
+    if not v.isdigit(): raise ValueError(f"{name}={v!r} must be a whole number")
+    return int(v)
+
+def _check_job(coordinator_address, num_processes, process_id):
+    "Refuse a job that cannot be joined: a coordinator without a port, a process id outside the job."
+    host, _, port = (coordinator_address or "").rpartition(":")
+    if coordinator_address and not (host and port.isdigit()):
+        raise ValueError(f"coordinator {coordinator_address!r} (MESHTX_COORDINATOR) must be host:port, e.g. 10.0.0.2:1234")
+    if process_id is not None and (process_id < 0 or process_id >= (num_processes or 1)) and not (num_processes is None and coordinator_address):
+        raise ValueError(f"process id {process_id} (MESHTX_PROCESS_ID) is not one of the job's {num_processes or 1} "
+                         "processes (MESHTX_NUM_PROCESSES): it counts from 0")
+
+# %% ../nbs/03a_distributed.ipynb #ae9a4243
 def shutdown() -> None:
     "Leave the job (call at the end of a multi-process run)."
     if jax.distributed.is_initialized(): jax.distributed.shutdown()
@@ -56,9 +74,15 @@ def sync(name: str = "meshtx") -> None:
     if jax.process_count() > 1: multihost_utils.sync_global_devices(name)
 
 def share(value: int) -> int:
-    "Process 0's `value` (an integer), on every process: a decision one process makes for all."
-    if jax.process_count() == 1: return int(value)
-    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+    "Process 0's `value` (a 64-bit integer), on every process: a decision one process makes for all."
+    try: value = operator.index(value)   # checked before any collective: every process fails alike
+    except TypeError: raise TypeError(f"share() takes an integer, not {type(value).__name__} {value!r}") from None
+    if not -2**63 <= value < 2**63: raise ValueError(f"share() takes a 64-bit integer, not {value}")
+    if jax.process_count() == 1: return value
+    u = value % 2**64   # two 32-bit halves: JAX arrays are 32-bit unless x64 is on
+    hi, lo = (int(x) for x in multihost_utils.broadcast_one_to_all(np.array([u >> 32, u & 0xFFFFFFFF], np.uint32)))
+    u = hi << 32 | lo
+    return u - 2**64 if u >= 2**63 else u
 
 # %% ../nbs/03a_distributed.ipynb #1ece64a8
 def process_rows(global_batch_size: int) -> slice:
@@ -71,5 +95,23 @@ def process_rows(global_batch_size: int) -> slice:
 
 # %% ../nbs/03a_distributed.ipynb #5ffeec92
 def global_batch(local_rows: np.ndarray, mesh: Mesh, spec: P = P(BATCH)) -> jax.Array:
-    "One global array, laid out by `spec` on `mesh`, from each process's `local_rows`."
-    return multihost_utils.host_local_array_to_global_array(np.asarray(local_rows), mesh, spec)
+    """One global array, laid out by `spec` on `mesh`, from each process's `local_rows`: the processes' rows in process
+    order along the first dimension `spec` splits (the dimensions it leaves whole are the same on every process).
+    Where the mesh does not split those rows by process (e.g. tensor parallel across hosts), they are gathered first."""
+    local = np.asarray(local_rows)
+    n = jax.process_count()
+    dims = [d for d, s in enumerate(spec) if s is not None]
+    if n == 1 or not dims: return multihost_utils.host_local_array_to_global_array(local, mesh, spec)
+    d, rows = dims[0], local.shape[dims[0]]
+    shape = local.shape[:d] + (rows * n,) + local.shape[d + 1:]
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    span = lambda s: (s.start or 0, shape[d] if s.stop is None else s.stop)
+    def own(dev, idx):   # the rows device `dev` holds all lie in its own process's block
+        lo, hi = span(idx[d]); return dev.process_index * rows <= lo and hi <= (dev.process_index + 1) * rows
+    if all(own(dev, idx) for dev, idx in sharding.devices_indices_map(shape).items()):
+        start = jax.process_index() * rows
+        def piece(idx):
+            lo, hi = span(idx[d]); return local[idx[:d] + (slice(lo - start, hi - start),) + idx[d + 1:]]
+        return jax.make_array_from_callback(shape, sharding, piece)
+    full = np.concatenate(list(multihost_utils.process_allgather(local)), axis=d)   # every process: every row
+    return jax.make_array_from_callback(shape, sharding, lambda idx: full[idx])

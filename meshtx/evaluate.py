@@ -127,6 +127,7 @@ def _thinking(self, enable_thinking, chat_template_args, think_end_token):
         raise ValueError("enable_thinking=True needs think_end_token= (the text or token id that ends the thinking)")
     self.think_end_token = think_end_token
 
+# %% ../nbs/09_evaluate.ipynb #6cc45a27
 def _load_lm(pretrained, preset, dtype, seed, dp, fsdp, mp, revision) -> LM:
     "The model `--model_args` name: an `LM`, a checkpoint or hub id, or a random preset; on a mesh if `dp`/`fsdp`/`mp` ask for one."
     mesh = None

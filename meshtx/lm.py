@@ -320,11 +320,34 @@ def _no_adapters(lm):
         raise ValueError("this model carries LoRA adapters: merge them first (`lm.merge_lora()`, then save), "
                          "or save the adapters alone with `save_adapters`")
 
+def _one_writer(lm: LM, path, save):
+    """`save(lm)`, once for the job: alone, here; across processes, each gathers the weights split over hosts, process 0
+    writes, and every process returns the path once it is written (or raises, if process 0 failed). Call it on every
+    process: each waits for process 0's word, so none goes on to read a save that is not there yet."""
+    if jax.process_count() == 1: return save(lm)
+    from jax.experimental import multihost_utils
+    from meshtx.distributed import is_main_process, share
+    whole = lambda x: x if not isinstance(x, jax.Array) or x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)
+    if not all(x.is_fully_addressable for x in jax.tree.leaves(lm.params) if isinstance(x, jax.Array)):
+        lm = LM(lm.config, jax.tree.map(whole, lm.params), lm.tokenizer, generation_config=lm.generation_config)
+    out = error = None
+    if is_main_process():
+        try: out = save(lm)
+        except Exception as e: error = e
+    if share(error is not None):   # every process learns whether process 0 wrote it
+        if error is not None: raise error
+        raise RuntimeError(f"process 0 failed to save {path} (its log says why)")
+    return out if is_main_process() else (str(path) if is_remote(path) else Path(path))
+
 @patch
 def save_hf(self: LM, path, dtype=None, max_shard_size="5GB", progress=True) -> Path:
-    "Write a Hugging Face checkpoint (config.json, safetensors shards, tokenizer) into `path` (a directory or `gs://` URL)."
+    """Write a Hugging Face checkpoint (config.json, safetensors shards, tokenizer) into `path` (a directory or `gs://`
+    URL). In a multi-process job every process calls it: process 0 writes the gathered weights."""
     _no_adapters(self)
-    if is_remote(path): return save_remote(path, "config.json", lambda d: self.save_hf(d, dtype, max_shard_size, progress))
+    return _one_writer(self, path, lambda lm: _save_hf(lm, path, dtype, max_shard_size, progress))
+
+def _save_hf(self: LM, path, dtype, max_shard_size, progress) -> Path:
+    if is_remote(path): return save_remote(path, "config.json", lambda d: _save_hf(self, d, dtype, max_shard_size, progress))
     _check_target(path, "config.json", MESHTX_CONFIG, "a meshtx checkpoint")
     eos = self.config.eos_token_id if self.config.eos_token_id is not None else self.stop_token_id   # the tokenizer's
     config = self.config.replace(eos_token_id=eos)
@@ -336,9 +359,13 @@ def save_hf(self: LM, path, dtype=None, max_shard_size="5GB", progress=True) -> 
 # %% ../nbs/04_lm.ipynb #f2c33961
 @patch
 def save(self: LM, path) -> Path:
-    "Write meshtx's own checkpoint (meshtx_config.json, params.safetensors, tokenizer) into `path` (a directory or `gs://` URL)."
+    """Write meshtx's own checkpoint (meshtx_config.json, params.safetensors, tokenizer) into `path` (a directory or `gs://`
+    URL). In a multi-process job every process calls it: process 0 writes the gathered weights."""
     _no_adapters(self)
-    if is_remote(path): return save_remote(path, MESHTX_CONFIG, self.save)
+    return _one_writer(self, path, lambda lm: _save(lm, path))
+
+def _save(self: LM, path) -> Path:
+    if is_remote(path): return save_remote(path, MESHTX_CONFIG, lambda d: _save(self, d))
     _check_target(path, MESHTX_CONFIG, "config.json", "a Hugging Face checkpoint")
     def fill(d):
         write_params(d, self.params, self.config)

@@ -8,6 +8,7 @@ Docs: https://meshtx.github.io/meshtx/runs.html.md"""
 from __future__ import annotations
 import functools, itertools, json, math, numbers, os, re, warnings
 from pathlib import Path
+import numpy as np
 import jax
 from .config import ModelConfig, LoRAConfig, MTJ_MODEL_KEYS, MTJ_OTHER_KEYS
 from .lm import LM
@@ -212,12 +213,7 @@ def _save_model(lm: LM, model_path, adapters_path):
     if lm.lora is not None:
         if is_main_process(): lm.save_adapters(adapters_path)
         lm.merge_lora()
-    out = lm
-    if jax.process_count() > 1:   # weights split over hosts: gathered whole (one tensor at a time on the devices)
-        from jax.experimental import multihost_utils
-        out = LM(lm.config, jax.tree.map(lambda x: multihost_utils.process_allgather(x, tiled=True), lm.params), lm.tokenizer,
-                 generation_config=lm.generation_config)
-    if is_main_process(): out.save_hf(model_path, progress=False)
+    lm.save_hf(model_path, progress=False)   # every process: weights split over hosts are gathered, process 0 writes
     sync(f"save {model_path}")
 
 # %% ../nbs/08b_runs.ipynb #f1013d3e
@@ -233,7 +229,7 @@ def _val_sets(cfg, train_data: TokenData, model_dir: str, tok, seq: int, batch: 
     elif n_val := train_data.n("val"):   # fewer held-out windows than a batch: smaller batches (whole per process)
         per = jax.process_count()
         if (val_batch := min(batch, n_val) // per * per): vals["val_loss"] = Loader(train_data, val_batch, split="val")
-    if not vals and cfg["val_every"]:
+    if not vals and cfg["val_every"] and is_main_process():
         warnings.warn(f"val_every={cfg['val_every']}, but there is no validation data (no val_set, and "
                       f"{train_data.n('val')} held-out windows of train_set): the run logs no val_loss")
     if cfg["val_batches"]: vals = {k: list(itertools.islice(iter(v), cfg["val_batches"])) for k, v in vals.items()}
@@ -287,7 +283,8 @@ def train(run, log=None, progress: bool = False) -> Trainer:
                 optimizer=cfg["optimizer"], param_dtype=cfg["param_dtype"], mu_dtype=cfg["mu_dtype"], lora=lora,
                 checkpoint_dir=model_dir, keep=cfg["keep"], keep_every=cfg["keep_every"], progress=False, seed=cfg["seed"],
                 remat=cfg["remat"])
-    if resume: log(json.dumps({"resumed_from": t.restore()}))
+    resumed_from = t.restore() if resume else None   # every process restores; process 0 says so
+    if resume and is_main_process(): log(json.dumps({"resumed_from": resumed_from}))
     total, ckpt_every, val_every = cfg["total_steps"], cfg["ckpt_every"], cfg["val_every"]
     trained = len(t.history) < total
     while len(t.history) < total:
@@ -321,11 +318,11 @@ def _start(t: Trainer, out, child, settings: dict, resumed: dict | None, log) ->
     if resumed is None:
         before = t.evaluate() if t.val_data is not None else None
         if is_main_process(): _write_json(child("finetune.json"), {**settings, "val_loss_before": before})
-        if before is not None: log(f"held-out loss before: {before:.4f}")
+        if before is not None and is_main_process(): log(f"held-out loss before: {before:.4f}")
     else:
         t.restore()
         before = resumed.get("val_loss_before")
-        log(f"resumed {out} at step {len(t.history)} of {settings['steps']}")
+        if is_main_process(): log(f"resumed {out} at step {len(t.history)} of {settings['steps']}")
     return before
 
 # %% ../nbs/08b_runs.ipynb #312cd38c
@@ -354,7 +351,10 @@ def finetune(model, data, out, *, lora: LoRAConfig | int | None = None, steps: i
     data = dataset(data, str(child("data")), lm.tokenizer, seq, val_fraction, seed, progress, lm.config.n_vocab,
                    replace=resumed is None, run_dir=str(out))   # a resume trains on the data it started on, or refuses
     if jax.device_count() > 1: lm.shard(make_mesh(config=lm.config, mode="lora" if lora else "train"))
-    val = Loader(data, min(batch, data.n("val")), split="val") if data.n("val") else None
+    per = jax.process_count()   # a val batch of whole rows per process (fewer held-out windows than a batch: smaller)
+    val = Loader(data, val_batch, split="val") if (val_batch := min(batch, data.n("val")) // per * per) else None
+    if val is None and val_fraction and is_main_process():
+        warnings.warn(f"{data.n('val')} held-out windows, too few for {per} processes: no held-out loss")
     lr = lr if lr is not None else default_lr(lora)
     t = Trainer(lm, Loader(data, batch, accum, seed=seed), val, lr=lr, warmup_steps=steps // 10 if warmup_steps is None else warmup_steps,
                 total_steps=steps, lora=lora, checkpoint_dir=str(child("checkpoints")), progress=progress, seed=seed,
@@ -362,12 +362,12 @@ def finetune(model, data, out, *, lora: LoRAConfig | int | None = None, steps: i
     before = _start(t, out, child, settings, resumed, log)
     t.run(steps - len(t.history), eval_every=max(1, steps // 5) if val is not None else None, save_every=save_every)
     after = t.evaluate() if val is not None else None
-    if after is not None: log(f"held-out loss after {steps} steps: {after:.4f}")
+    if after is not None and is_main_process(): log(f"held-out loss after {steps} steps: {after:.4f}")
     if Checkpointer(child("checkpoints")).latest() != len(t.history): t.save()   # unless save_every just saved it
-    plt.close(t.plot(child("loss.png")))   # saved, and not left open
+    if is_main_process(): plt.close(t.plot(child("loss.png")))   # saved (once), and not left open
     _clear_remote_model(str(out))   # (what a save cut short left, when this is the same call again)
     _save_model(lm, child("model"), child("adapters"))
-    log(f"fine-tuned model: {child('model')}" + (f"   adapters: {child('adapters')}" if lora else ""))
+    if is_main_process(): log(f"fine-tuned model: {child('model')}" + (f"   adapters: {child('adapters')}" if lora else ""))
     return {"val_loss_before": before, "val_loss_after": after, "steps": steps, "model": str(child("model")),
             "checkpoints": str(child("checkpoints"))}
 

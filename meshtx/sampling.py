@@ -474,6 +474,7 @@ def _holds_stop(lm: LM, toks, eos, stop_strings, prompt=()) -> bool:
     settled = len(text.rstrip("\ufffd"))
     return any(0 <= (i := text.find(s)) and i + len(s) <= settled for s in stop_strings)
 
+# %% ../nbs/05_sampling.ipynb #d4a7d1ee
 def _first_stop(lm: LM, toks, eos, stop_strings, start: int = 0, prompt=()):
     "The fewest tokens of `toks` (after `prompt`) whose text holds a stop string (searched from `start`), or None."
     if not _holds_stop(lm, toks, eos, stop_strings, prompt): return None
@@ -488,6 +489,7 @@ def _first_stop(lm: LM, toks, eos, stop_strings, start: int = 0, prompt=()):
         if _holds_stop(lm, toks[:k], eos, stop_strings, prompt): hi = k
     return hi
 
+# %% ../nbs/05_sampling.ipynb #f7cfdcbd
 def _end_at_stop_strings(lm: LM, state, B, eos, stop_strings, checked, prompts=None):
     "End each live row whose text reaches a stop string at the token that completes it (`checked`: rows' lengths seen before)."
     out, length, done = (np.array(_host(x)) for x in (state.out, state.length, state.done))

@@ -258,6 +258,7 @@ def chat_prompt(tokenizer, messages: list[dict], template: str | None = None) ->
                                type="server_error") from None
         raise RequestError(f"the chat template cannot render these messages: {type(e).__name__}: {e}", "messages") from None
 
+# %% ../nbs/10_serve.ipynb #7fc6ee21
 def check_chat_template(tokenizer, template: str | None = None) -> None:
     "A ValueError, when a server starts, for a chat template `template` that does not parse (not a 500 at each chat)."
     if template is None: return
@@ -1070,7 +1071,6 @@ def make_app(lm: LM, max_batch=8, batch_wait_ms=5.0, max_queue=64, model_name="m
     async def models(request): return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model",
                                                     "created": created, "owned_by": "meshtx", "max_model_len": n_ctx}]})
     async def stats(request): return JSONResponse(batcher.stats())
-
     @contextlib.asynccontextmanager
     async def lifespan(app):
         batcher.start(reopen=True)

@@ -127,7 +127,10 @@ def param_shardings(config_or_params, mesh: Mesh, rules=PARTITION_RULES) -> dict
 
 # %% ../nbs/03_sharding.ipynb #b5718cda
 def shard_params(params: dict, mesh: Mesh, rules=PARTITION_RULES) -> dict:
-    "Place `params` on `mesh` following the partition rules."
+    """Place `params` on `mesh` following the partition rules. Across processes, the arrays each process holds whole
+    (a model loaded without a mesh) go by way of host memory: JAX moves only those onto a mesh spanning other processes."""
+    if jax.process_count() > 1:
+        params = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable else x, params)
     return jax.device_put(params, param_shardings(params, mesh, rules))
 
 def shard_shape(shape: tuple, spec: P, mesh: Mesh) -> tuple:

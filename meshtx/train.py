@@ -489,7 +489,7 @@ def _train_for(t: Trainer, max_steps: int, seconds: float, progress: bool) -> fl
     from tqdm.auto import tqdm
     bar = tqdm(total=max_steps, desc="training", disable=not progress)
     t0 = time.perf_counter()
-    while len(t.history) < max_steps and time.perf_counter() - t0 < seconds:
+    while len(t.history) < max_steps and (not t.history or time.perf_counter() - t0 < seconds):   # one step at least
         rec = t.step()
         if len(t.history) % 100 == 0: rec["val_loss"] = t.evaluate()
         bar.update(1); bar.set_postfix(loss=f"{rec['loss']:.3f}")
@@ -502,7 +502,12 @@ def demo(out_dir="meshtx-demo", max_steps: int = 900, seconds: float = 600, batc
     "Train a small byte-level GPT-J from scratch on `pydoc_data.topics` (`max_steps`, at most `seconds`); save a checkpoint and a loss plot."
     import matplotlib.pyplot as plt
     from meshtx.tokenizer import ByteTokenizer
+    from meshtx.lm import _check_target, MESHTX_CONFIG
+    if not (isinstance(max_steps, numbers.Integral) and max_steps >= 1): raise ValueError(f"max_steps={max_steps!r} must be an integer ≥ 1")
+    if not seconds > 0: raise ValueError(f"seconds={seconds!r} must be > 0")
+    if not (isinstance(seed, numbers.Integral) and 0 <= seed < 2**32): raise ValueError(f"seed={seed!r} must be an integer in [0, 2³²)")
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
+    _check_target(out / "checkpoint", MESHTX_CONFIG, "config.json", "a Hugging Face checkpoint")   # now, not after training
     data = demo_corpus()
     n_val = len(data) // 20
     train, val = data[:-n_val], data[-n_val:]

@@ -274,7 +274,7 @@ def assemble(shapes: dict, shardings, tensors, progress: bool = True, chunk_byte
              threads: int | None = None) -> dict:
     """Parameters of `shapes` (laid out by `shardings`; None: one device) from `tensors`, `(reader, name, module, param,
     index)` in reading order: tensor `name` of `reader` is `params[module][param][index]`, read in chunks of rows."""
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])   # this process's own device
     where = {mod: {p: (shardings[mod][p] if shardings else one) for p in ps} for mod, ps in shapes.items()}
     need = _check_room(shapes, where)
     pieces = _allocate(shapes, where)

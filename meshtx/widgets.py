@@ -525,6 +525,7 @@ def _new_run(self: FinetuneWidget, lm: LM, train, val, run: Path) -> Trainer:
     self._added_lora = (reset or was["lora"] is None) and lm.lora is not None
     return t
 
+# %% ../nbs/11_widgets.ipynb #e867c343
 def _next_run_dir(workdir: Path) -> Path:
     "A new folder for a build's data and checkpoints: `workdir/run-N`, N one more than any there."
     return workdir / f"run-{max((int(p.name[4:]) for p in workdir.glob('run-*') if p.name[4:].isdigit()), default=0) + 1}"

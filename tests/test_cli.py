@@ -252,3 +252,26 @@ def test_convert_keeps_the_dtype_the_tensors_have_when_config_json_names_none(tm
         assert r.returncode == 0, r.stderr
     a, b = (load_file(next((tmp_path / d).glob("*.safetensors"))) for d in ("hf", "back"))
     assert a.keys() == b.keys() and all(b[k].dtype == np.float16 and np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_first_hours_slips_are_said_before_anything_runs(tmp_path, monkeypatch, capsys):
+    "A cache folder that cannot be made only warns; a bad seed, LoRA options without --lora and a demo folder that "
+    "holds someone's files are refused before a model loads or trains; a demo whose loss did not fall says so."
+    (tmp_path / "afile").write_text("")
+    r = subprocess.run([shutil.which("meshtx") or str(Path(sys.executable).parent / "meshtx"), "plan", "--preset", "tiny"],
+                       capture_output=True, text=True, timeout=300, env=os.environ | {"MESHTX_CACHE_DIR": str(tmp_path / "afile")})
+    assert r.returncode == 0 and "meshtx: warning: no compilation cache" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    from meshtx.cli import main
+    monkeypatch.setenv("MESHTX_CACHE_DIR", "off")
+    for argv, said in ((["sample", "--preset", "tiny", "--prompt", "hi", "--seed", "-1"], "invalid seed=-1"),
+                       (["demo", "--seed", "4294967296"], "invalid seed=4294967296"),
+                       (["finetune", "--model", "m", "--data", "d", "--lora-alpha", "4"], "add --lora RANK")):
+        try: code = main(argv)
+        except SystemExit as e: code = e.code
+        assert code == 2 and said in capsys.readouterr().err, argv
+    (tmp_path / "d" / "checkpoint").mkdir(parents=True); (tmp_path / "d" / "checkpoint" / "notes.txt").write_text("mine")
+    assert main(["demo", "--out", str(tmp_path / "d"), "--steps", "5", "-q"]) == 2
+    err = capsys.readouterr()
+    assert "holds other files (notes.txt)" in err.err and "samples" not in err.out    # refused before it trained
+    assert main(["demo", "--out", str(tmp_path / "e"), "--steps", "1", "-q"]) == 1
+    assert "the held-out loss did not fall" in capsys.readouterr().err

@@ -155,3 +155,113 @@ def test_two_cli_processes_train_one_model(tmp_path):
     assert (tmp_path / "two" / "model" / "config.json").exists()
     out = run_cli(1, ["sample", "--model", "two/model", "--prompt", "def", "--max-new-tokens", "4", "--seed", "0", "-q"], tmp_path)[0]
     assert out.strip(), out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    "A tiny model with a byte tokenizer, saved in both formats, and a few documents to fine-tune on."
+    import pydoc_data.topics as topics
+    from meshtx import LM, ModelConfig
+    from meshtx.tokenizer import ByteTokenizer
+    d = tmp_path_factory.mktemp("tiny")
+    lm = LM.init(ModelConfig(n_layer=1, d_model=32, n_head=4, rotary_dim=8, n_vocab=257, n_ctx=64), seed=1,
+                 tokenizer=ByteTokenizer(), dtype="float32")
+    lm.save_hf(d / "hf"); lm.save(d / "mx")
+    (d / "docs.txt").write_text("\n\n".join(topics.topics[k] for k in sorted(topics.topics)[:6]))
+    return d
+
+
+FIXES = Path(__file__).with_name("multihost_fixes_worker.py")
+
+def fixes_job(work, mode, nproc=2, deadline=120):
+    "Run `mode` of multihost_fixes_worker.py as `nproc` processes; what each process saw."
+    run_job(nproc, work / f"{mode}.json", deadline=deadline, worker=FIXES, args=[work, mode])
+    return [json.loads((work / f"{mode}.json.{i}").read_text()) for i in range(nproc)]
+
+
+@pytest.mark.slow
+def test_a_model_loaded_without_a_mesh_works_on_every_process(tiny):
+    "Each process holds it on its own device (not process 0's), and can shard it onto the job's mesh."
+    a, b = fixes_job(tiny, "load")
+    assert a["processes"] == 2 and a == b
+    assert a["hf"] == a["mx"] == a["hf_sharded"] == a["mx_sharded"]
+
+
+@pytest.mark.slow
+def test_share_takes_64_bit_integers_and_refuses_others_on_every_process(tiny):
+    for r in fixes_job(tiny, "share"):
+        assert (r["big"], r["negative"], r["after"]) == (2**31 + 7, -2**40, 3)
+        assert "integer" in r["float"]
+
+
+@pytest.mark.slow
+def test_global_batch_gathers_rows_when_the_mesh_does_not_split_them_by_process(tiny):
+    "mp=2 over two processes: the batch is replicated, so every process needs both processes' rows."
+    whole = [list(range(3 * i, 3 * i + 3)) for i in range(8)]
+    for r in fixes_job(tiny, "batch"):
+        assert r["dp"] == r["mp"] == r["fsdp"] == whole, r
+
+
+@pytest.mark.slow
+def test_saves_across_processes_gather_and_process_0_writes(tiny):
+    import numpy as np
+    from meshtx import LM
+    rs = fixes_job(tiny, "save")
+    assert rs[0]["split"] and rs[0] == rs[1]
+    import jax
+    want = LM.load(tiny / "mx", dtype="float32", progress=False).params
+    for name in ("hf", "mx", "merged"):
+        got = LM.load(rs[0][name], dtype="float32", progress=False).params
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=1e-6), got, want)   # (new adapters merge to 0)
+
+
+@pytest.mark.slow
+def test_finetune_across_processes_with_an_odd_number_of_held_out_windows(tiny):
+    "3 held-out windows, 2 processes: a val batch of 2; process 0 alone logs and plots."
+    from meshtx.data import TokenData
+    a, b = fixes_job(tiny, "finetune", deadline=240)
+    assert TokenData.open(tiny / "ft" / "data").n("val") % 2 == 1
+    assert a["result"]["val_loss_before"] is not None and a["result"] == b["result"]
+    assert any("held-out loss before" in l for l in a["logs"]) and b["logs"] == []
+    assert (tiny / "ft" / "loss.png").exists() and (tiny / "ft" / "model" / "config.json").exists()
+
+
+def meshtx_cli(argv, env_extra, **kw):
+    "`meshtx ARGV` as a process of its own, with `env_extra` (and no job variables but those)."
+    import shutil
+    exe = shutil.which("meshtx") or str(Path(sys.executable).parent / "meshtx")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("MESHTX_")}
+    return subprocess.Popen([exe, *argv], env={**env, "MESHTX_CACHE_DIR": "off", **env_extra}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env, says", [
+    ({"MESHTX_COORDINATOR": "localhost", "MESHTX_NUM_PROCESSES": "2", "MESHTX_PROCESS_ID": "0"}, "must be host:port"),
+    ({"MESHTX_PROCESS_ID": "1"}, "MESHTX_PROCESS_ID"),
+    ({"MESHTX_NUM_PROCESSES": "1", "MESHTX_PROCESS_ID": "1"}, "MESHTX_PROCESS_ID")])
+def test_the_cli_refuses_a_job_it_cannot_join(env, says):
+    out, _ = meshtx_cli(["info"], env).communicate(timeout=60)
+    assert "meshtx: error: could not join the job" in out and says in out, out
+
+
+def test_initialize_names_a_variable_that_is_not_a_number(monkeypatch):
+    from meshtx.distributed import initialize
+    monkeypatch.setenv("MESHTX_COORDINATOR", "127.0.0.1:1"); monkeypatch.setenv("MESHTX_NUM_PROCESSES", "abc")
+    with pytest.raises(ValueError, match="MESHTX_NUM_PROCESSES='abc' must be a whole number"): initialize()
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_cli_process_waiting_to_join():
+    "Process 1 of a job whose coordinator never comes: waiting inside JAX's connect, SIGTERM still ends it."
+    import signal
+    p = meshtx_cli(["info"], {"MESHTX_COORDINATOR": f"127.0.0.1:{free_port()}", "MESHTX_NUM_PROCESSES": "2",
+                              "MESHTX_PROCESS_ID": "1"})
+    try:
+        time.sleep(8)   # JAX imported, and waiting for the coordinator
+        assert p.poll() is None, p.communicate()[0]
+        p.send_signal(signal.SIGTERM); t0 = time.monotonic()
+        p.wait(timeout=10)
+        assert time.monotonic() - t0 < 5 and p.returncode != 0
+    finally:
+        if p.poll() is None: p.kill(); p.wait()
