@@ -8,7 +8,6 @@ Docs: https://meshtx.github.io/meshtx/runs.html.md"""
 from __future__ import annotations
 import functools, itertools, json, math, numbers, os, re, warnings
 from pathlib import Path
-import numpy as np
 import jax
 from .config import ModelConfig, LoRAConfig, MTJ_MODEL_KEYS, MTJ_OTHER_KEYS
 from .lm import LM
