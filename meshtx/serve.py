@@ -586,13 +586,13 @@ def _decoder(tok):
 @patch
 def _byte_offsets(self: Batcher, ids: list, text: str) -> list[int] | None:
     "Offsets from the bytes of each token of `ids`, if those spell `text` (but maybe a first space it drops); else None."
-    parts = [len(self._token_bytes(t)) for t in ids]
-    have, want = b"".join(bytes(self._token_bytes(t)) for t in ids), text.encode("utf-8")
+    parts = [bytes(self._token_bytes(t)) for t in ids]
+    have, want = b"".join(parts), text.encode("utf-8")
     skip = len(have) - len(want)
     if skip not in (0, 1) or have[skip:] != want or have[:skip] not in (b"", b" "): return None
     char = [i for i, c in enumerate(text) for _ in c.encode("utf-8")] + [len(text)]   # each byte's character
     out, at = [], -skip
-    for n in parts: out.append(char[max(at, 0)]); at += n
+    for p in parts: out.append(char[max(at, 0)]); at += len(p)
     return out
 
 # %% ../nbs/10_serve.ipynb #5c89e057
